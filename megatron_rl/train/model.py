@@ -1,0 +1,272 @@
+"""Megatron-Core GPT model built from a Hugging Face config (Llama, Mistral, Qwen2 families).
+
+API:
+- `model_dims(hf_config, tp=1) -> ModelDims`: the HF shapes plus the padded shapes Megatron uses.
+- `build_model(hf_config, layout, dtype=torch.float32, *, use_te=None) -> list[GPTModel]`: this
+  rank's model chunks (one per virtual pipeline stage; one chunk without VPP). Call
+  `init_parallel(layout)` first. Each chunk carries `chunk.mrl_dims` (ModelDims) and
+  `chunk.mrl_vp_stage`. Weights are random: load them with `hf_weights.load_hf_weights`.
+- `forward_logits(chunk, input_ids, position_ids=None, attention_mask=None)`: one forward of a chunk;
+  on the last stage returns vocab-parallel logits `[B, T, V_padded / tp]` (feed them to
+  `logprobs.token_logprobs`), elsewhere the hidden states. Without an explicit mask it is causal.
+
+Padding for TP (exact: padded parts are zero and stay zero under training, since their gradients
+are zero): the vocab is padded to a multiple of `tp` (logprobs mask the padded columns), the KV
+groups to a multiple of `tp` (each extra group has `heads // kv_heads` zero query heads, zero K/V
+and zero output-projection columns, so it adds exactly 0), and the MLP width to a multiple of `tp`.
+This is what lets SmolLM2-135M (9 heads, 3 KV heads) run at TP=2.
+
+RoPE: default, `linear` (Megatron's seq_len_interpolation_factor), `llama3` (Megatron's built-in
+llama-3 scaling; only its fixed low/high frequency factors 1/4 and 8192 original context), `yarn`
+(Megatron's YaRN embedding; its attention scaling, which Megatron's GPT path drops, is folded into
+the softmax scale as mscale^2). Other types raise `UnsupportedModelError`.
+
+Specs: Transformer Engine layers on GPU when TE imports (use_te=None), the local spec otherwise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .parallel import ParallelLayout
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    kind: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0  # yarn attention scaling applied to cos/sin in HF (scores scale by mscale^2)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    model_type: str
+    vocab_size: int
+    padded_vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    padded_num_kv_heads: int
+    ffn_size: int
+    padded_ffn_size: int
+    qkv_bias: bool
+    tie_embeddings: bool
+    norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    sliding_window: int | None = None
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def padded_num_heads(self) -> int:
+        return self.padded_num_kv_heads * self.heads_per_group
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _rope_spec(hf_config) -> RopeSpec:
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0) or 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    factor = float(params.get("factor", 1.0) or 1.0)
+    if kind == "default":
+        return RopeSpec(theta)
+    if kind == "linear":
+        return RopeSpec(theta, "linear", factor)
+    if kind == "llama3":
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, want in fixed.items():
+            if float(params.get(key, want)) != want:
+                raise UnsupportedModelError(
+                    f"llama3 RoPE scaling with {key}={params.get(key)}: Megatron-Core's implementation "
+                    f"hard-codes {key}={want}")
+        return RopeSpec(theta, "llama3", factor)
+    if kind == "yarn":
+        orig = int(params.get("original_max_position_embeddings")
+                   or getattr(hf_config, "max_position_embeddings"))
+        if params.get("mscale") or params.get("mscale_all_dim"):
+            raise UnsupportedModelError("yarn RoPE with mscale/mscale_all_dim (DeepSeek style) is not supported")
+        if params.get("truncate", True) is False:
+            raise UnsupportedModelError("yarn RoPE with truncate=False is not supported by Megatron-Core")
+        attention_factor = params.get("attention_factor")
+        mscale = float(attention_factor) if attention_factor else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        return RopeSpec(theta, "yarn", factor, orig, float(params.get("beta_fast") or 32.0),
+                        float(params.get("beta_slow") or 1.0), mscale)
+    raise UnsupportedModelError(f"RoPE type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def model_dims(hf_config, tp: int = 1) -> ModelDims:
+    """Shapes of the HF model and their TP-padded Megatron counterparts; validates the family."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
+    if getattr(hf_config, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}")
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if model_type == "qwen2":
+        qkv_bias = True  # Qwen2 always has q/k/v biases (and no o_proj bias)
+    else:
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False))
+        if qkv_bias:
+            raise UnsupportedModelError("attention_bias=True on Llama/Mistral (o_proj bias) is not supported")
+    sliding = getattr(hf_config, "sliding_window", None)
+    if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        sliding = None
+    if getattr(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    return ModelDims(
+        model_type=model_type, vocab_size=hf_config.vocab_size,
+        padded_vocab_size=_round_up(hf_config.vocab_size, tp), hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        padded_num_kv_heads=_round_up(kv_heads, tp), ffn_size=hf_config.intermediate_size,
+        padded_ffn_size=_round_up(hf_config.intermediate_size, tp), qkv_bias=qkv_bias,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        norm_eps=float(hf_config.rms_norm_eps), rope=_rope_spec(hf_config),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        sliding_window=int(sliding) if sliding else None)
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a broken TE install must not take the local path down
+        return False
+    return True
+
+
+def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} not supported (float32, bfloat16, float16)")
+    stages = layout.pp * layout.n_chunks
+    if dims.num_layers % stages:
+        raise ValueError(f"{dims.num_layers} layers cannot be split evenly over pp={layout.pp} x "
+                         f"vpp={layout.n_chunks} = {stages} stages")
+    softmax_scale = None
+    if dims.rope.kind == "yarn" and dims.rope.mscale != 1.0:
+        softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
+    config = TransformerConfig(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.padded_ffn_size,
+        num_attention_heads=dims.padded_num_heads, num_query_groups=dims.padded_num_kv_heads,
+        kv_channels=dims.head_dim, normalization="RMSNorm", layernorm_epsilon=dims.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, softmax_scale=softmax_scale,
+        attention_softmax_in_fp32=True,
+        window_size=(dims.sliding_window - 1, 0) if dims.sliding_window else None,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
+        # Interleaved PP with batched p2p gives silently wrong results on gloo (ENVIRONMENT.md).
+        batch_p2p_comm=not layout.interleaved,
+        pipeline_dtype=dtype, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fusions need apex/TE/CUDA kernels; the unfused paths are numerically the reference.
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+    if dims.rope.kind == "yarn":  # GPTModel reads these with getattr (they live on MLA configs)
+        config.yarn_rotary_scaling_factor = dims.rope.factor
+        config.yarn_original_max_position_embeddings = dims.rope.original_max_position_embeddings
+        config.yarn_beta_fast = dims.rope.beta_fast
+        config.yarn_beta_slow = dims.rope.beta_slow
+        config.yarn_mscale = 1.0
+        config.yarn_mscale_all_dim = 0.0
+        config.yarn_correction_range_round_to_int = True
+    return config
+
+
+def layer_spec(use_te: bool | None = None):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
+                use_te: bool | None = None) -> list:
+    """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("call megatron_rl.train.parallel.init_parallel(layout) before build_model")
+    if ps.get_tensor_model_parallel_world_size() != layout.tp or \
+            ps.get_pipeline_model_parallel_world_size() != layout.pp:
+        raise ValueError("layout does not match the initialised parallel state")
+    dims = model_dims(hf_config, layout.tp)
+    config = transformer_config(dims, layout, dtype)
+    spec = layer_spec(use_te)
+    rope = dims.rope
+    position_type = "yarn" if rope.kind == "yarn" else "rope"
+    chunks = []
+    for i in range(layout.n_chunks):
+        vp_stage = i if layout.interleaved else None
+        chunk = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=dims.padded_vocab_size,
+            max_sequence_length=dims.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True, share_embeddings_and_output_weights=dims.tie_embeddings,
+            position_embedding_type=position_type, rotary_percent=1.0, rotary_base=rope.theta,
+            rope_scaling=rope.kind == "llama3", rope_scaling_factor=rope.factor,
+            seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
+            vp_stage=vp_stage)
+        chunk.mrl_dims = dims
+        chunk.mrl_vp_stage = vp_stage
+        chunks.append(chunk)
+    return chunks
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """Megatron convention: True = masked out; shape [1, 1, T, T]."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logits(chunk, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward one chunk on `[B, T]` ids; last stage -> vocab-parallel logits [B, T, V_pad/tp]."""
+    b, t = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+    if attention_mask is None:
+        attention_mask = causal_mask(t, input_ids.device)
+    return chunk(input_ids, position_ids, attention_mask)
+
+
+def layer_offset(chunk) -> int:
+    """Global index of the chunk's first transformer layer (HF `model.layers.{i}`)."""
+    layers = chunk.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0

@@ -1,0 +1,208 @@
+"""Pack RL sequences into token-bounded micro-batches (no padding to the longest sequence).
+
+Each bin of at most `capacity` tokens becomes one micro-batch: the sequences are concatenated into
+one row with per-sequence position ids and a block-diagonal causal attention mask (the local layer
+spec on CPU takes it explicitly; Transformer Engine on GPU takes `PackedSeqParams` in THD format
+built from the same boundaries). Bins are filled first-fit decreasing.
+
+Label alignment: the logit at position t predicts token t+1, so a completion token at index k of
+its sequence (k >= prompt_len) is scored at position k-1. `loss_mask` marks those positions;
+`behaviour_logprobs` and `advantages` are placed there as well. The last token of each sequence
+predicts nothing inside the bin (its label is masked), so sequences never leak into each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from megatron_rl.records import TrainSequence
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins whose sums are <= capacity (first-fit decreasing).
+
+    Ties keep input order so the result is deterministic on every rank.
+    """
+    if capacity < 1:
+        raise ValueError(f"bin capacity must be >= 1, got {capacity}")
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sequence {i} has length {n}; lengths must be >= 1")
+        if n > capacity:
+            raise ValueError(f"sequence {i} has {n} tokens, more than the micro-batch capacity "
+                             f"{capacity} (raise trainer.micro_batch_tokens or cap generation length)")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for b, room in enumerate(free):
+            if lengths[i] <= room:
+                bins[b].append(i)
+                free[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return bins
+
+
+def split_balanced(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Deal indices to `parts` shares balancing token counts (longest first, to the lightest share).
+
+    Used to split a minibatch across data-parallel ranks; every share is non-empty.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} sequences cannot be split over {parts} data-parallel ranks "
+                         "(each rank needs at least one sequence per minibatch)")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in order:
+        # lightest share; among equals the one with fewer sequences, then the lowest index
+        r = min(range(parts), key=lambda p: (load[p], len(shares[p]), p))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+@dataclass
+class PackedMicroBatch:
+    """One packed row: all tensors `[1, T]` (T = bin length after padding)."""
+
+    tokens: torch.Tensor  # long
+    position_ids: torch.Tensor  # long, restart at 0 for each sequence
+    labels: torch.Tensor  # long, next token (0 where loss_mask is 0)
+    loss_mask: torch.Tensor  # float32, 1 at positions whose label is a completion token
+    behaviour_logprobs: torch.Tensor  # float32, aligned with labels
+    advantages: torch.Tensor  # float32, aligned with labels
+    segment_ids: torch.Tensor  # long [T]: index of the sequence in the bin; padding is its own segment
+    cu_seqlens: torch.Tensor  # int32 [n_segments + 1] boundaries (padding included as a segment)
+    seq_indices: list[int]  # indices of the packed sequences in the caller's list
+    n_real_tokens: int  # tokens of real sequences (excluding padding)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def attention_mask(self) -> torch.Tensor:
+        """Block-diagonal causal mask `[1, 1, T, T]`, Megatron convention: True = masked out."""
+        seg = self.segment_ids
+        same = seg.unsqueeze(0) == seg.unsqueeze(1)
+        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril_()
+        return ~(same & causal).view(1, 1, self.length, self.length)
+
+    def packed_seq_params(self):
+        """THD `PackedSeqParams` for Transformer Engine attention (GPU path)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max().item())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+@dataclass
+class PackingStats:
+    n_sequences: int
+    n_bins: int
+    real_tokens: int  # tokens of the sequences themselves
+    packed_tokens: int  # tokens actually computed (bins after padding)
+    naive_tokens: int  # tokens if every sequence were padded to the longest one
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.packed_tokens if self.packed_tokens else 0.0
+
+    @property
+    def naive_padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.naive_tokens if self.naive_tokens else 0.0
+
+    def merge(self, other: "PackingStats") -> "PackingStats":
+        return PackingStats(self.n_sequences + other.n_sequences, self.n_bins + other.n_bins,
+                            self.real_tokens + other.real_tokens, self.packed_tokens + other.packed_tokens,
+                            self.naive_tokens + other.naive_tokens)
+
+
+@dataclass
+class PackedBatch:
+    micro_batches: list[PackedMicroBatch]
+    stats: PackingStats
+    seq_length: int = field(default=0)  # common length when `pad_to_common` was asked, else max length
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Sequence[float],
+               length: int, pad_id: int) -> PackedMicroBatch:
+    tokens = torch.full((length,), pad_id, dtype=torch.long)
+    position_ids = torch.zeros(length, dtype=torch.long)
+    labels = torch.zeros(length, dtype=torch.long)
+    loss_mask = torch.zeros(length, dtype=torch.float32)
+    blp = torch.zeros(length, dtype=torch.float32)
+    adv = torch.zeros(length, dtype=torch.float32)
+    segment_ids = torch.full((length,), len(indices), dtype=torch.long)
+    cu = [0]
+    start = 0
+    for j, i in enumerate(indices):
+        s = seqs[i]
+        n, p = len(s.token_ids), s.prompt_len
+        ids = torch.tensor(s.token_ids, dtype=torch.long)
+        tokens[start:start + n] = ids
+        position_ids[start:start + n] = torch.arange(n)
+        labels[start:start + n - 1] = ids[1:]
+        # completion token k (p <= k < n) is predicted at position k-1
+        loss_mask[start + p - 1:start + n - 1] = 1.0
+        blp[start + p - 1:start + n - 1] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        adv[start + p - 1:start + n - 1] = float(advantages[i])
+        segment_ids[start:start + n] = j
+        start += n
+        cu.append(start)
+    if start < length:  # padding: its own causal segment, positions from 0, no loss
+        position_ids[start:] = torch.arange(length - start)
+        cu.append(length)
+    return PackedMicroBatch(
+        tokens=tokens.unsqueeze(0), position_ids=position_ids.unsqueeze(0), labels=labels.unsqueeze(0),
+        loss_mask=loss_mask.unsqueeze(0), behaviour_logprobs=blp.unsqueeze(0), advantages=adv.unsqueeze(0),
+        segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        seq_indices=list(indices), n_real_tokens=start)
+
+
+def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,
+                   pad_multiple: int = 1, pad_to_common: bool = False, pad_id: int = 0) -> PackedBatch:
+    """Pack `seqs` into bins of at most `capacity` tokens, one `PackedMicroBatch` per bin.
+
+    advantages: one value per sequence (defaults to each sequence's own `advantage`).
+    pad_multiple: round each bin length up to a multiple (e.g. the TP size with sequence parallel).
+    pad_to_common: give every bin the same length (pipeline parallelism exchanges fixed shapes).
+    """
+    if not seqs:
+        raise ValueError("cannot pack an empty list of sequences")
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    if advantages is None:
+        advantages = [s.advantage for s in seqs]
+    if len(advantages) != len(seqs):
+        raise ValueError(f"{len(advantages)} advantages for {len(seqs)} sequences")
+    lengths = [len(s.token_ids) for s in seqs]
+    bins = first_fit_decreasing(lengths, capacity)
+    # keep the order of the input inside each bin, and order bins by their first sequence
+    bins = sorted((sorted(b) for b in bins), key=lambda b: b[0])
+    used = [sum(lengths[i] for i in b) for b in bins]
+    sizes = [_round_up(u, pad_multiple) for u in used]
+    common = max(sizes)
+    if pad_to_common:
+        sizes = [common] * len(bins)
+    mbs = [_build_row(seqs, b, advantages, n, pad_id) for b, n in zip(bins, sizes)]
+    stats = PackingStats(n_sequences=len(seqs), n_bins=len(bins), real_tokens=sum(lengths),
+                         packed_tokens=sum(sizes), naive_tokens=len(seqs) * max(lengths))
+    return PackedBatch(micro_batches=mbs, stats=stats, seq_length=common)

@@ -1,0 +1,94 @@
+"""Magistral's reward composition for one response: format gate -> 0.1 -> +0.9 correct ->
+overlong penalty -> +0.1 language consistency. Every number comes from RewardConfig.
+
+math and code verifiers are imported lazily (inside the functions) so this module, and the
+language/format/length parts, import and work on their own.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+from megatron_rl.config import RewardConfig
+from megatron_rl.reward.format import FormatResult, check_format
+from megatron_rl.reward.language import check_consistency
+from megatron_rl.reward.length import estimate_tokens, overlong_penalty
+from megatron_rl.reward.types import CodeTask, MathTask, RewardBreakdown, Task, parse_task
+
+# RewardConfig field -> names run_tests may call that limit (the first one it accepts is used).
+_CODE_LIMITS = {
+    "code_compile_timeout_s": ("compile_timeout_s", "compile_timeout"),
+    "code_test_timeout_s": ("test_timeout_s", "timeout_s", "timeout"),
+    "code_memory_mb": ("memory_mb",),
+    "code_max_output_bytes": ("max_output_bytes", "output_limit_bytes"),
+    "code_max_tests": ("max_tests",),
+}
+
+
+def _grade_math(task: MathTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
+    from megatron_rl.reward.math import extract_answer, math_equal
+
+    prediction = extract_answer(fmt.answer)
+    if prediction is None:
+        return False, {"prediction": None}
+    return bool(math_equal(prediction, task.answer, timeout=cfg.math_timeout_s)), {"prediction": prediction}
+
+
+def code_limits(cfg: RewardConfig, run_tests) -> dict[str, Any]:
+    """Keyword limits for run_tests taken from RewardConfig, under the names run_tests accepts."""
+    params = inspect.signature(run_tests).parameters
+    limits = {}
+    for field_name, names in _CODE_LIMITS.items():
+        for name in names:
+            if name in params:
+                limits[name] = getattr(cfg, field_name)
+                break
+    return limits
+
+
+def _grade_code(task: CodeTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
+    from megatron_rl.reward.code import run_tests
+
+    tests = list(task.tests[:cfg.code_max_tests])  # Magistral: at most 20 tests, all must pass
+    result = run_tests(fmt.code, tests, language=task.language, **code_limits(cfg, run_tests))
+    return bool(result.passed), {"code_status": str(result.status), "n_passed": int(result.n_passed),
+                    "n_tests": int(result.n_tests)}
+
+
+def score(task: dict | Task, response: str, config: RewardConfig | None = None,
+          num_tokens: int | None = None) -> RewardBreakdown:
+    """Grade one response. ``num_tokens`` is the completion length in tokens for the overlong
+    penalty; when None it is estimated from the text (megatron_rl.reward.length.estimate_tokens).
+
+    Raises TaskError on a task dict that does not follow megatron_rl.reward.types.
+    """
+    start = time.perf_counter()
+    cfg = config if config is not None else RewardConfig()
+    parsed = parse_task(task)
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a string, got {type(response).__name__}")
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                   or num_tokens < 0):
+        raise ValueError(f"num_tokens must be a non-negative int or None, got {num_tokens!r}")
+    estimated = num_tokens is None
+    n_tok = estimate_tokens(response) if estimated else num_tokens
+
+    fmt = check_format(parsed, response)
+    if not fmt.ok:  # the gate: nothing else is graded
+        return RewardBreakdown(num_tokens=n_tok, num_tokens_estimated=estimated, details={"format": fmt.reason},
+                               elapsed_s=time.perf_counter() - start)
+
+    grade = _grade_code if isinstance(parsed, CodeTask) else _grade_math
+    correct, details = grade(parsed, fmt, cfg)
+    penalty = overlong_penalty(n_tok, cfg.l_max, cfg.l_cache, cfg.overlong_penalty)
+    language_ok = False
+    if cfg.language_check:
+        language_ok, details["language"] = check_consistency(parsed.problem, fmt.thoughts, fmt.answer)
+    else:
+        details["language"] = "disabled"
+    total = (cfg.format_reward + (cfg.correct_reward if correct else 0.0) + penalty
+             + (cfg.language_reward if language_ok else 0.0))
+    return RewardBreakdown(format_ok=True, correct=correct, length_penalty=penalty, language_ok=language_ok,
+                           total=total, num_tokens=n_tok, num_tokens_estimated=estimated, details=details,
+                           elapsed_s=time.perf_counter() - start)

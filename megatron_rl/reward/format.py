@@ -1,0 +1,100 @@
+"""Magistral's format gate: one `<think>` block, then an answer in the form the task needs.
+
+Policy (decided here, tested in tests/unit/test_reward_format.py):
+- The response holds exactly one ``<think>`` and exactly one ``</think>``, in that order.
+- Only whitespace may precede ``<think>``: the system prompt asks the model to think first, and
+  text before the block would be an answer given outside the format. (If a chat template pre-fills
+  ``<think>`` in the prompt, the caller prepends it to the completion before grading.)
+- The thoughts (between the tags) and the answer (everything after ``</think>``) are non-empty.
+- math: the answer contains ``\\boxed{...}`` (``\\boxed {...}`` too) with balanced braces and a
+  non-empty content; the grader later compares the LAST box.
+- code: the answer contains a closed, non-empty fenced block whose tag is the task's language
+  (python: ``python``, ``py``, ``python3``; cpp: ``cpp``, ``c++``, ``cc``, ``cxx``); the LAST such
+  block is the program that is run. A block in another language does not count.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_rl.reward.types import CodeTask, Task
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+LANGUAGE_TAGS = {
+    "python": "python", "py": "python", "python3": "python",
+    "cpp": "cpp", "c++": "cpp", "cc": "cpp", "cxx": "cpp",
+}
+# Opening fence at a line start with an optional tag, body, closing fence on its own line.
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n]*\n(.*?)\n[ \t]*```[ \t]*$", re.M | re.S)
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+@dataclass(frozen=True)
+class FormatResult:
+    ok: bool
+    reason: str = ""  # why the gate failed ("" when ok)
+    thoughts: str = ""
+    answer: str = ""  # text after </think>
+    code: str | None = None  # code tasks: the program to run
+
+
+def split_think(response: str) -> tuple[str, str] | str:
+    """(thoughts, answer) of a well-formed response, or a string saying what is wrong."""
+    n_open, n_close = response.count(THINK_OPEN), response.count(THINK_CLOSE)
+    if n_open != 1 or n_close != 1:
+        return f"expected exactly one {THINK_OPEN} and one {THINK_CLOSE}, found {n_open} and {n_close}"
+    start, end = response.index(THINK_OPEN), response.index(THINK_CLOSE)
+    if end < start:
+        return f"{THINK_CLOSE} comes before {THINK_OPEN}"
+    if response[:start].strip():
+        return f"text before {THINK_OPEN}"
+    thoughts = response[start + len(THINK_OPEN):end]
+    answer = response[end + len(THINK_CLOSE):]
+    if not thoughts.strip():
+        return "empty thoughts"
+    if not answer.strip():
+        return f"nothing after {THINK_CLOSE}"
+    return thoughts, answer
+
+
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every ``\\boxed{...}`` with balanced braces, in order (unclosed boxes skipped)."""
+    out = []
+    for m in _BOXED.finditer(text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            c = text[i]
+            if c == "\\" and i + 1 < len(text):  # escaped brace \{ or \} does not count
+                i += 2
+                continue
+            depth += (c == "{") - (c == "}")
+            i += 1
+        if depth == 0:
+            out.append(text[m.end():i - 1])
+    return out
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(normalised language or raw tag, code) of every closed fenced block, in order."""
+    blocks = []
+    for m in _FENCE.finditer(text):
+        tag = m.group(1).strip().lower()
+        blocks.append((LANGUAGE_TAGS.get(tag, tag), m.group(2)))
+    return blocks
+
+
+def check_format(task: Task, response: str) -> FormatResult:
+    parts = split_think(response)
+    if isinstance(parts, str):
+        return FormatResult(False, parts)
+    thoughts, answer = parts
+    if isinstance(task, CodeTask):
+        programs = [code for lang, code in fenced_blocks(answer) if lang == task.language and code.strip()]
+        if not programs:
+            return FormatResult(False, f"no fenced ```{task.language} block in the answer", thoughts, answer)
+        return FormatResult(True, "", thoughts, answer, code=programs[-1])
+    if not any(c.strip() for c in boxed_contents(answer)):
+        return FormatResult(False, "no non-empty \\boxed{} in the answer", thoughts, answer)
+    return FormatResult(True, "", thoughts, answer)

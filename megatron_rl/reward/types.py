@@ -1,0 +1,154 @@
+"""Task schema and the reward breakdown: the one place that defines what `reward.score` accepts.
+
+Task dicts (``Problem.task`` in megatron_rl.records) are validated by :func:`parse_task`:
+
+math::
+
+    {"kind": "math", "answer": "42", "problem": "What is 6*7?"}
+
+    answer   (required) reference answer, a string (ints/floats are converted with ``str``);
+             it is compared to the last ``\\boxed{}`` of the response by reward.math.math_equal.
+code::
+
+    {"kind": "code", "language": "python", "tests": [{"input": "1 2\\n", "output": "3\\n"}],
+     "problem": "Read two integers and print their sum."}
+
+    language "python" (default) or "cpp"; the response must contain a fenced block in it.
+    tests    (required) non-empty list of {"input": stdin, "output": expected stdout}, both strings;
+             only the first RewardConfig.code_max_tests are run (all must pass).
+
+Common optional keys: ``problem`` (the problem text, used by the language-consistency check; when
+absent or empty, only thoughts and answer are compared), ``id`` and ``source`` (strings),
+``meta`` (a dict, free-form, ignored by the grader). Any other key is an error, so a typo such as
+``langauge`` never silently grades a C++ task as Python.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+CODE_LANGUAGES = ("python", "cpp")
+_COMMON_OPTIONAL = {"problem", "id", "source", "meta"}
+
+
+class TaskError(ValueError):
+    """A task dict does not follow the schema documented in megatron_rl.reward.types."""
+
+
+@dataclass(frozen=True)
+class MathTask:
+    answer: str
+    problem: str = ""
+    kind: Literal["math"] = "math"
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    tests: tuple[dict[str, str], ...]
+    language: str = "python"
+    problem: str = ""
+    kind: Literal["code"] = "code"
+
+
+Task = MathTask | CodeTask
+
+# status of a graded item: graded normally, or what stopped the grading.
+Status = Literal["ok", "timeout", "crash", "error"]
+
+
+@dataclass
+class RewardBreakdown:
+    """Components of one reward. ``total`` is what the trainer uses; the rest explains it.
+
+    format_ok is False -> everything else is 0/False (nothing else was graded).
+    ``status`` is "ok" for a normal grading; the verifier pool sets "timeout" / "crash" / "error"
+    (with total 0 and ``error`` saying why) when an item could not be graded.
+    """
+
+    format_ok: bool = False
+    correct: bool = False
+    length_penalty: float = 0.0  # <= 0
+    language_ok: bool = False
+    total: float = 0.0
+    status: Status = "ok"
+    num_tokens: int = 0  # response length the length penalty used
+    num_tokens_estimated: bool = False  # True when estimated from characters (no num_tokens given)
+    elapsed_s: float = 0.0  # wall time spent grading this item
+    error: str = ""
+    details: dict[str, Any] = field(default_factory=dict)  # e.g. code status, n_passed, languages
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def components(self) -> dict[str, float]:
+        """Numeric components (for Rollout.reward_components and metrics)."""
+        return {"format_ok": float(self.format_ok), "correct": float(self.correct),
+                "length_penalty": self.length_penalty, "language_ok": float(self.language_ok),
+                "total": self.total}
+
+
+def _str_field(task: dict, key: str, default: str = "") -> str:
+    value = task.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise TaskError(f"task[{key!r}] must be a string, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(task: dict, allowed: set[str], kind: str) -> None:
+    unknown = sorted(set(task) - allowed - _COMMON_OPTIONAL - {"kind"})
+    if unknown:
+        raise TaskError(f"{kind} task: unknown key(s) {unknown} (allowed: "
+                        f"{sorted(allowed | _COMMON_OPTIONAL | {'kind'})}; put free-form data under 'meta')")
+    if "meta" in task and not isinstance(task["meta"], dict):
+        raise TaskError(f"task['meta'] must be a dict, got {type(task['meta']).__name__}")
+    for key in ("id", "source"):
+        if key in task and task[key] is not None and not isinstance(task[key], (str, int)):
+            raise TaskError(f"task[{key!r}] must be a string, got {type(task[key]).__name__}")
+
+
+def _parse_tests(tests: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(tests, (list, tuple)) or not tests:
+        raise TaskError("code task: 'tests' must be a non-empty list of {'input': ..., 'output': ...}")
+    out = []
+    for i, t in enumerate(tests):
+        if not isinstance(t, dict) or set(t) != {"input", "output"}:
+            got = sorted(t) if isinstance(t, dict) else type(t).__name__
+            raise TaskError(f"code task: tests[{i}] must be a dict with exactly 'input' and 'output', got {got}")
+        for key in ("input", "output"):
+            if not isinstance(t[key], str):
+                raise TaskError(f"code task: tests[{i}][{key!r}] must be a string, "
+                                f"got {type(t[key]).__name__}")
+        out.append({"input": t["input"], "output": t["output"]})
+    return tuple(out)
+
+
+def parse_task(task: Any) -> Task:
+    """Validate a task dict and return its typed form; raises TaskError with the offending key."""
+    if isinstance(task, (MathTask, CodeTask)):
+        return task
+    if not isinstance(task, dict):
+        raise TaskError(f"task must be a dict, got {type(task).__name__}")
+    kind = task.get("kind")
+    if kind == "math":
+        _check_keys(task, {"answer"}, "math")
+        if "answer" not in task or task["answer"] is None:
+            raise TaskError("math task: missing 'answer'")
+        answer = task["answer"]
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise TaskError(f"math task: 'answer' must be a string or number, got {type(answer).__name__}")
+        answer = str(answer).strip()
+        if not answer:
+            raise TaskError("math task: 'answer' is empty")
+        return MathTask(answer=answer, problem=_str_field(task, "problem"))
+    if kind == "code":
+        _check_keys(task, {"language", "tests"}, "code")
+        language = _str_field(task, "language", "python")
+        if language not in CODE_LANGUAGES:
+            raise TaskError(f"code task: 'language' must be one of {list(CODE_LANGUAGES)}, got {language!r}")
+        if "tests" not in task:
+            raise TaskError("code task: missing 'tests'")
+        return CodeTask(tests=_parse_tests(task["tests"]), language=language,
+                        problem=_str_field(task, "problem"))
+    raise TaskError(f"task['kind'] must be 'math' or 'code', got {kind!r}")

@@ -21,7 +21,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("run the asynchronous RL loop from a YAML config", issue=8),
     "sft": Command("supervised cold start on reasoning traces (trainer only)", issue=5),
-    "reward": Command("grade one response for a task and print the reward breakdown as JSON", issue=4),
+    "reward": Command("grade one response for a task and print the reward breakdown as JSON", module="reward"),
     "convert": Command("convert checkpoints between Hugging Face and Megatron formats", issue=9),
     "filter": Command("difficulty and format filtering of problem sets", issue=9),
     "evaluate": Command("pass@1 / pass@k evaluation on problem sets", issue=9),

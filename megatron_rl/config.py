@@ -267,6 +267,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         _check(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-6` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         _check(ok, key, f"must be a number, got {value!r}")
         return float(value)
@@ -293,15 +298,26 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 def _apply_override(tree: dict, override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r}: expected dotted.key=value")
-    dotted, raw = override.split("=", 1)
-    parts = dotted.strip().split(".")
+    dotted, raw = (part.strip() for part in override.split("=", 1))
+    parts = dotted.split(".")
+    cls: Any = Config
     node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{dotted}: {p} is not a section")
+    for depth, name in enumerate(parts):
+        key = ".".join(parts[:depth + 1])
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"{key}: {'.'.join(parts[:depth])} is not a section")
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(hints))})")
+        cls = hints[name]
+        if depth < len(parts) - 1:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: must be a mapping")
+    if dataclasses.is_dataclass(cls):
+        raise ConfigError(f"{dotted}: is a section; override one of its keys")
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = yaml.safe_load(raw) if raw else None
     except yaml.YAMLError as e:
         raise ConfigError(f"{dotted}: cannot parse value {raw!r}: {e}") from None
 

@@ -1,0 +1,218 @@
+"""The bubblewrap jail that runs untrusted programs for the code verifier.
+
+One call = one fresh sandbox::
+
+    bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session
+          --uid 65534 --gid 65534   (inside; outside it is an unprivileged per-runner uid)
+          read-only: /usr (+ /bin, /lib* links), the interpreter prefix, optionally /box
+          private: tmpfs / (then read-only), tmpfs /tmp (size-capped), /proc, /dev (read-only)
+          --clearenv, minimal PATH, no network (empty net namespace: not even host loopback)
+
+Around it: rlimits (CPU, AS, NPROC, FSIZE, NOFILE, STACK, CORE=0) set in the child before exec,
+stdout/stderr read with a byte cap, a wall-clock deadline after which the outer bwrap's process group
+and the namespace init are SIGKILLed (the kernel then kills every process of the PID namespace, so
+daemonised children die too), and reaping of the namespace init through a child-subreaper.
+
+When the runner is root it drops to the unprivileged uid before exec'ing bwrap: root's processes are
+exempt from RLIMIT_NPROC, and an unprivileged bwrap must build a real user namespace. Paths such
+a uid cannot reach (the pyenv interpreter under /root, which is 0700) are made reachable in a
+private mount namespace where /root is an empty tmpfs holding only that prefix (sandbox_proc).
+If bwrap is missing or namespaces are refused, ``available()`` says why and nothing runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+
+from megatron_rl.reward.sandbox_proc import (
+    NamespaceInit, RLimits, become_subreaper, collect, hide_plan, make_preexec,
+)
+
+SANDBOX_UID = 65534  # uid/gid the program sees (nobody)
+BOX = "/box"  # where the per-call workspace is mounted inside the sandbox
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class SandboxUnavailable(RuntimeError):
+    """bwrap is missing or cannot create namespaces here."""
+
+
+@dataclass
+class RunOutcome:
+    """What one sandboxed process did."""
+
+    exit_code: int | None  # as bwrap reports it: 128 + signal number when killed by a signal
+    stdout: bytes
+    stderr: bytes  # tail only
+    wall_s: float
+    timed_out: bool = False  # wall-clock deadline hit (the namespace was killed)
+    output_exceeded: bool = False  # stdout + stderr passed the byte cap (killed)
+    setup_error: str | None = None  # the sandbox itself failed: the program never ran
+
+    @property
+    def signal(self) -> int | None:
+        if self.exit_code is not None and self.exit_code > 128:
+            return self.exit_code - 128
+        return None
+
+
+@dataclass
+class Jail:
+    """Sandbox settings shared by all runs of one verifier process.
+
+    host_uid: uid the jailed tree has on the host when the runner is root. None = a uid derived
+    from this process's pid, so concurrent verifier workers do not share an RLIMIT_NPROC budget.
+    ro_paths: extra host paths bound read-only at the same place (e.g. an interpreter prefix).
+    """
+
+    host_uid: int | None = None
+    tmp_mb: int = 64
+    ro_paths: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=lambda: {
+        "PATH": DEFAULT_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"})
+
+    def uid(self) -> int | None:
+        if os.geteuid() != 0:
+            return None  # already unprivileged: bwrap maps the sandbox uid onto ours
+        return self.host_uid if self.host_uid is not None else 100000 + os.getpid() % 100000
+
+    # ------------------------------------------------------------------ argv
+    def argv(self, cmd: list[str], status_fd: int, workspace: str | None, writable: bool,
+             cwd: str) -> list[str]:
+        a = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+             "--new-session", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+             "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):  # merged-/usr systems: recreate the link, bind nothing
+                a += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                a += ["--ro-bind", top, top]
+        a += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        for p in self.ro_paths:
+            a += ["--ro-bind", p, p]
+        a += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+              "--size", str(self.tmp_mb << 20), "--tmpfs", "/tmp"]
+        if workspace is not None:
+            a += ["--bind" if writable else "--ro-bind", workspace, BOX]
+        a += ["--remount-ro", "/", "--clearenv"]
+        for k, v in self.env.items():
+            a += ["--setenv", k, v]
+        return a + ["--chdir", cwd, "--json-status-fd", str(status_fd), "--"] + cmd
+
+    # ------------------------------------------------------------------ workspace
+    @contextlib.contextmanager
+    def workspace(self, base: str | None = None):
+        """A private host directory (0700, owned by the jail uid) mounted at /box. Only this
+        directory of the host's /tmp is ever visible inside."""
+        path = tempfile.mkdtemp(prefix="mrl-sbx-", dir=base)
+        try:
+            uid = self.uid()
+            if uid is not None:
+                os.chown(path, uid, uid)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ run
+    def run(self, cmd: list[str], *, stdin: bytes = b"", rlimits: RLimits, wall_s: float,
+            max_output: int, workspace: str | None = None, writable: bool = False,
+            cwd: str = "/tmp") -> RunOutcome:
+        """Run ``cmd`` in a fresh sandbox; never raises for anything the program does."""
+        ok, why = available(self)
+        if not ok:
+            return RunOutcome(None, b"", b"", 0.0, setup_error=why)
+        return self._run(cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd)
+
+    def _run(self, cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd) -> RunOutcome:
+        become_subreaper()
+        uid = self.uid()
+        preexec = make_preexec(rlimits, uid, hide_plan(list(self.ro_paths), uid or 0))
+        status_r, status_w = os.pipe()
+        stdin_fd = os.memfd_create("sandbox-stdin")
+        os.write(stdin_fd, stdin)
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        try:
+            proc = subprocess.Popen(
+                self.argv(cmd, status_w, workspace, writable, cwd), stdin=stdin_fd,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
+                preexec_fn=preexec, start_new_session=True, cwd="/", env={})
+        except (OSError, subprocess.SubprocessError) as e:
+            os.close(status_r)
+            return RunOutcome(None, b"", b"", 0.0, setup_error=f"cannot start bwrap: {e}")
+        finally:
+            os.close(status_w)
+            os.close(stdin_fd)
+
+        state: dict = {"init": None, "exit": None}
+
+        def on_status(buf: bytes) -> None:
+            for line in buf.decode(errors="replace").splitlines():
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if "child-pid" in msg and state["init"] is None:
+                    state["init"] = NamespaceInit(msg["child-pid"], msg.get("pid-namespace"))
+                if "exit-code" in msg:
+                    state["exit"] = int(msg["exit-code"])
+
+        def kill() -> None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if state["init"] is not None:
+                state["init"].kill()
+
+        try:
+            c = collect(proc, status_r, wall_s, max_output, on_status, kill)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                kill()
+                proc.wait()
+        finally:
+            os.close(status_r)
+            proc.stdout.close()
+            proc.stderr.close()
+            if state["init"] is not None:
+                state["init"].reap()
+        out = RunOutcome(state["exit"], c.stdout, c.stderr, c.wall_s, c.timed_out, c.output_exceeded)
+        if out.exit_code is None and not (c.timed_out or c.output_exceeded):
+            msg = c.stderr.decode(errors="replace").strip() or f"bwrap exited {proc.returncode}"
+            out.setup_error = msg[-500:]
+        return out
+
+
+_probe_lock = threading.Lock()
+_probe_cache: dict[tuple, tuple[bool, str]] = {}
+
+
+def available(jail: Jail | None = None) -> tuple[bool, str]:
+    """(True, "") when the jail can run here; else (False, reason). Cached per process and jail."""
+    jail = jail or Jail()
+    key = (os.getpid(), jail.uid(), jail.ro_paths)
+    with _probe_lock:
+        if key in _probe_cache:
+            return _probe_cache[key]
+        if not sys.platform.startswith("linux"):
+            res = (False, f"the sandbox needs Linux namespaces (platform {sys.platform})")
+        elif shutil.which("bwrap") is None:
+            res = (False, "bubblewrap (bwrap) is not installed: refusing to run untrusted code")
+        else:
+            out = jail._run(["/bin/true"], b"", RLimits(5, 256, 16, 1, 32, 8), 20.0, 4096,
+                            None, False, "/tmp")
+            if out.setup_error is None and out.exit_code == 0:
+                res = (True, "")
+            else:
+                why = out.setup_error or f"probe exited {out.exit_code}"
+                res = (False, f"bwrap cannot build the sandbox here (user namespaces?): {why}")
+        _probe_cache[key] = res
+        return res

@@ -1,0 +1,105 @@
+"""Group advantages, the non-diverse filter and minibatch normalisation against explicit references."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from megatron_rl.algo.advantages import filter_non_diverse, group_advantages, normalize
+
+
+def test_group_advantages_are_reward_minus_group_mean():
+    r = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.1, 0.1, 1.0, 0.9]])
+    want = [[x - statistics.fmean(row) for x in row] for row in r.tolist()]
+    torch.testing.assert_close(group_advantages(r), torch.tensor(want))
+    std = group_advantages(r, std=True)
+    want_std = [[(x - statistics.fmean(row)) / (statistics.stdev(row) + 1e-6) for x in row] for row in r.tolist()]
+    torch.testing.assert_close(std, torch.tensor(want_std))
+    const = group_advantages(torch.full((1, 4), 0.7), std=True)
+    assert (const == 0).all()  # no nan from 0/0
+    with pytest.raises(ValueError, match="n_groups"):
+        group_advantages(torch.zeros(4))
+
+
+def test_filter_drops_only_groups_with_all_equal_rewards():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.1, 1.0, 0.1], [0.1 + 0.9, 1.0, 1.0],
+                      [0.0, 0.0, 1e-3]])
+    f = filter_non_diverse(r)
+    assert f.keep.tolist() == [False, False, True, False, True]
+    assert (f.n_dropped, f.n_kept) == (3, 2)
+    assert filter_non_diverse(r, atol=1e-2).keep.tolist() == [False, False, True, False, False]
+    # Dropped groups are exactly those with zero advantages everywhere.
+    assert ((group_advantages(r).abs().amax(1) > 1e-6) == f.keep).all()
+
+
+def _token_expand(adv, lengths):
+    return [a for a, n in zip(adv, lengths) for _ in range(n)]
+
+
+def test_minibatch_token_weighting_equals_stats_of_the_expanded_token_list():
+    adv = torch.tensor([1.0, -0.5, 0.25, -2.0], dtype=torch.float64)
+    lengths = [3, 1, 5, 2]
+    mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]
+    flat = _token_expand(adv.tolist(), lengths)
+    mu, sd = statistics.fmean(flat), statistics.pstdev(flat)
+    torch.testing.assert_close(normalize(adv, mask), (adv - mu) / sd)
+    # The loss-weighted (token) mean of the result is 0 and its token std is 1.
+    out = _token_expand(normalize(adv, mask).tolist(), lengths)
+    assert statistics.fmean(out) == pytest.approx(0.0, abs=1e-12)
+    assert statistics.pstdev(out) == pytest.approx(1.0)
+    # Sequence weighting: plain stats over the 4 sequences.
+    mu_s, sd_s = statistics.fmean(adv.tolist()), statistics.pstdev(adv.tolist())
+    seq = normalize(adv, mask, weighting="sequence")
+    torch.testing.assert_close(seq, (adv - mu_s) / sd_s)
+    assert (seq - normalize(adv, mask)).abs().max() > 0.05  # they differ with unequal lengths
+
+
+def test_token_and_sequence_weighting_agree_for_equal_lengths():
+    adv = torch.randn(6, dtype=torch.float64)
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    torch.testing.assert_close(normalize(adv, mask), normalize(adv, mask, weighting="sequence"))
+    torch.testing.assert_close(normalize(adv), normalize(adv, mask))  # no mask: one weight each
+
+
+def test_per_token_advantages_are_normalised_over_unmasked_tokens():
+    adv = torch.tensor([[1.0, 2.0, 99.0], [-1.0, 99.0, 99.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    vals = [1.0, 2.0, -1.0]
+    mu, sd = statistics.fmean(vals), statistics.pstdev(vals)
+    out = normalize(adv, mask)
+    torch.testing.assert_close(out[mask], (torch.tensor(vals, dtype=torch.float64) - mu) / sd)
+    assert (out[~mask] == 0).all()
+    # Sequence weighting of [B, T]: each sequence has total weight 1 -> values 1.5 and -1 weigh alike.
+    seq = normalize(adv, mask, weighting="sequence")
+    w = torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64)
+    v = torch.tensor(vals, dtype=torch.float64)
+    m = (w * v).sum() / w.sum()
+    s = ((w * (v - m) ** 2).sum() / w.sum()).sqrt()
+    torch.testing.assert_close(seq[mask], (v - m) / s)
+
+
+def test_degenerate_minibatches_do_not_produce_nan():
+    one = normalize(torch.tensor([0.7]), torch.ones(1, 5, dtype=torch.bool))
+    assert one.tolist() == [0.0]
+    const = normalize(torch.full((4,), 0.3), torch.ones(4, 3, dtype=torch.bool))
+    assert torch.equal(const, torch.zeros(4))
+    empty = normalize(torch.tensor([0.5, -0.5]), torch.zeros(2, 3, dtype=torch.bool))
+    assert torch.isfinite(empty).all()
+
+
+def test_group_mode_standardises_within_each_group_and_none_is_identity():
+    adv = torch.tensor([1.0, -1.0, 3.0, 2.0, 0.0, 2.0], dtype=torch.float64)
+    gid = torch.tensor([0, 0, 1, 1, 1, 7])
+    out = normalize(adv, mode="group", group_ids=gid)
+    torch.testing.assert_close(out[:2], torch.tensor([1.0, -1.0], dtype=torch.float64))
+    g1 = adv[2:5]
+    torch.testing.assert_close(out[2:5], (g1 - g1.mean()) / g1.std(unbiased=False))
+    assert out[5] == 0.0  # a group of one
+    assert normalize(adv, mode="none") is adv
+    with pytest.raises(ValueError, match="group_ids"):
+        normalize(adv, mode="group")
+    with pytest.raises(ValueError, match="mode"):
+        normalize(adv, mode="batch")
+    with pytest.raises(ValueError, match="weighting"):
+        normalize(adv, weighting="char")

@@ -10,7 +10,7 @@ and (1/n) sum_i A_i grad log pi(y_i) is an unbiased estimate of grad J_k. The ba
 y_i, so it adds no bias: b_i = mean over k-subsets S of the others of max S when n > k (leave-one-out
 estimate of J_k itself), else (n == k) the mean over (k-1)-subsets of the others of max T, so that A_i is
 k times sample i's marginal contribution to the max.
-Summed over the group the A_i are exactly 0 (both parts sum to n times the U-statistic of J_k).
+When n > k the A_i of a group sum to exactly 0 (both parts sum to n times the U-statistic of J_k).
 For k = 1, A_i = f_i - mean_{j != i} f_j = n / (n - 1) * (f_i - mean_group f): plain group centring.
 
 Subset means use order statistics: if o_(1) <= ... <= o_(m) are the m = n - 1 other rewards, a random

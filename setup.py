@@ -10,11 +10,17 @@ from setuptools import find_packages, setup
 
 
 def _extensions():
+    """csrc/ build description lives in megatron_rl/ops/build.py (shared with the JIT build); it is
+    loaded by path because the package is not importable yet while setup.py runs."""
     if os.environ.get("MEGATRON_RL_BUILD_EXT") != "1":
         return {}, []
-    from megatron_rl_build import extension_modules  # noqa: F401  (csrc/ build description)
+    import importlib.util
 
-    return extension_modules()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_rl", "ops", "build.py")
+    spec = importlib.util.spec_from_file_location("_megatron_rl_ops_build", path)
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build.extension_modules()
 
 
 cmdclass, ext_modules = _extensions()

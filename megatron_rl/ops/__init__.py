@@ -1,0 +1,24 @@
+"""Python face of csrc/: the fused token-normalised clipped loss (Magistral's GRPO objective).
+
+- `fused_clipped_loss(logits, targets, behaviour_logprobs, advantages, mask, eps_low, eps_high,
+  tp_group=None)`: from (vocab-parallel) logits, without a float32 [tokens, vocab] tensor.
+- `fused_linear_clipped_loss(hidden, weight, ...)`: from hidden states and the output weight, in token
+  chunks, so the logits never exist in full.
+- `token_logprobs(logits, targets, tp_group=None)`: the per-token logprobs alone.
+
+Both losses equal `megatron_rl.algo.loss.clipped_token_loss` on the explicit logprobs (value and
+gradient). Kernels come from csrc/ (built by setup.py with MEGATRON_RL_BUILD_EXT=1, else compiled just
+in time and cached); without a compiler a PyTorch path is used after a one-time warning.
+"""
+from ._backend import backend_name, extension_available, extension_error
+from .fused_linear import fused_linear_clipped_loss
+from .fused_loss import fused_clipped_loss, token_logprobs
+
+__all__ = [
+    "backend_name",
+    "extension_available",
+    "extension_error",
+    "fused_clipped_loss",
+    "fused_linear_clipped_loss",
+    "token_logprobs",
+]

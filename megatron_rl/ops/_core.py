@@ -1,0 +1,115 @@
+"""Shared pieces of the fused losses: input checks, the vocab-parallel log-sum-exp reduction, and the
+per-token loss/gradient coefficient taken from the reference `algo.loss.clipped_token_loss`.
+
+The surrogate itself is O(tokens) work, so it is not re-implemented here: the fused ops evaluate the
+reference on the (detached) per-token logprobs and ask autograd for d loss / d logprob. Values and
+gradients therefore match the reference by construction, options included; only the O(tokens x vocab)
+part (log-softmax, its backward) is fused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_rl.algo.loss import clipped_token_loss
+
+
+@dataclass
+class TokenInputs:
+    """Per-token inputs flattened to [N] (advantages broadcast), plus the original [B, T] shape."""
+
+    targets: Tensor  # int64 [N], global vocab ids
+    behaviour: Tensor  # [N]
+    advantages: Tensor  # [N]
+    mask: Tensor  # bool [N]
+    proximal: Tensor | None  # [N] or None
+    shape: tuple[int, int]
+
+
+@dataclass
+class VocabShard:
+    """Which slice [start, start + size) of the global vocabulary this rank's logits hold."""
+
+    start: int
+    size: int
+    world: int
+    group: object | None
+
+    @classmethod
+    def of(cls, local_vocab: int, tp_group) -> "VocabShard":
+        if tp_group is None or dist.get_world_size(tp_group) == 1:
+            return cls(0, local_vocab, 1, None)
+        world = dist.get_world_size(tp_group)
+        return cls(dist.get_rank(tp_group) * local_vocab, local_vocab, world, tp_group)
+
+
+def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, mask,
+                         proximal_logprobs=None) -> TokenInputs:
+    """Check [B, T] shapes/dtypes and flatten; advantages may be [B] or [B, T]."""
+    b, t = batch_shape
+    for name, x in (("targets", targets), ("behaviour_logprobs", behaviour_logprobs), ("mask", mask)):
+        if tuple(x.shape) != (b, t):
+            raise ValueError(f"{name} must be [B, T] = {(b, t)}, got {tuple(x.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    if tuple(advantages.shape) == (b,):
+        advantages = advantages[:, None].expand(b, t)
+    elif tuple(advantages.shape) != (b, t):
+        raise ValueError(f"advantages must be [B] or [B, T] = {(b, t)}, got {tuple(advantages.shape)}")
+    if proximal_logprobs is not None and tuple(proximal_logprobs.shape) != (b, t):
+        raise ValueError(f"proximal_logprobs must be [B, T], got {tuple(proximal_logprobs.shape)}")
+    return TokenInputs(
+        targets=targets.reshape(-1).to(torch.int64).contiguous(),
+        behaviour=behaviour_logprobs.reshape(-1).detach(),
+        advantages=advantages.reshape(-1).detach(),
+        mask=mask.reshape(-1).bool(),
+        proximal=None if proximal_logprobs is None else proximal_logprobs.reshape(-1).detach(),
+        shape=(b, t),
+    )
+
+
+def check_targets(tok: TokenInputs, vocab_size: int) -> None:
+    """Unmasked targets must lie in the (global) vocabulary; skipped on CUDA to avoid a host sync."""
+    if tok.targets.is_cuda:
+        return
+    used = tok.targets[tok.mask]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= vocab_size):
+        raise ValueError(f"unmasked targets must be in [0, {vocab_size}), got range "
+                         f"[{int(used.min())}, {int(used.max())}]")
+
+
+def resolve_normalizer(mask: Tensor, normalizer) -> Tensor | float:
+    """The reference's default (mask.sum() of the call, at least 1), fixed once so chunks agree."""
+    if normalizer is None:
+        return mask.sum().clamp_min(1).to(torch.float32)
+    return normalizer
+
+
+def reduce_stats(row_max: Tensor, row_sum: Tensor, target_logit: Tensor, shard: VocabShard):
+    """(lse, target_logit) over the full vocabulary. Under TP: one MAX all-reduce of the row maxima,
+    one SUM all-reduce of [rescaled sum-exp; target logit] (only the owning rank has it non-zero)."""
+    if shard.group is not None:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=shard.group)
+        packed = torch.stack([row_sum * torch.exp(row_max - global_max), target_logit])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
+        row_max, row_sum, target_logit = global_max, packed[0], packed[1]
+    return row_max + torch.log(row_sum), target_logit
+
+
+def loss_and_coef(logp: Tensor, tok: TokenInputs, sl: slice, eps_low: float, eps_high: float,
+                  normalizer, tis_cap: float | None, need_coef: bool):
+    """Reference loss of tokens `sl` (token-level, with the minibatch normaliser) and d loss/d logp."""
+    lp = logp.detach().requires_grad_(need_coef)
+    with torch.enable_grad():
+        loss = clipped_token_loss(
+            lp[None], tok.behaviour[sl][None], tok.advantages[sl][None], tok.mask[sl][None],
+            eps_low, eps_high, normalizer=normalizer,
+            proximal_logprobs=None if tok.proximal is None else tok.proximal[sl][None],
+            tis_cap=tis_cap,
+        )
+        coef = torch.autograd.grad(loss, lp)[0] if need_coef else None
+    return loss.detach(), coef

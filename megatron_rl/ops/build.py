@@ -1,0 +1,107 @@
+"""Build description of the csrc/ fused-loss extension: sources, flags, setup.py and JIT builds.
+
+Standalone on purpose (no package-relative imports, torch imported lazily): setup.py loads this file
+by path before the package is installed. The extension is a plain shared library that registers
+`torch.ops.megatron_rl_ops.*` with the dispatcher (TORCH_LIBRARY, no pybind11), which keeps the C++
+compile short: only ATen core headers, one CPU translation unit plus the schema file.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CSRC = REPO_ROOT / "csrc"
+EXT_NAME = "megatron_rl_ops"  # the TORCH_LIBRARY namespace too
+PREBUILT_STEM = "_fused_loss_ext"  # file name (before the ABI suffix) of a setup.py build
+
+CPU_SOURCES = ("ops_schema.cpp", "cpu/fused_loss_cpu.cpp")
+CUDA_SOURCES = ("cuda/fused_loss_cuda.cpp", "cuda/fused_loss_kernels.cu")
+CUDA_KERNEL_SOURCE = "cuda/fused_loss_kernels.cu"  # compiles with bare nvcc, no torch headers
+
+CXX_FLAGS = ["-O3", "-fopenmp"]  # at::parallel_for expands to `omp parallel` in the header
+LD_FLAGS = ["-fopenmp"]
+NVCC_FLAGS = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+
+
+def cuda_build_possible() -> bool:
+    """A CUDA build needs a CUDA-enabled torch and nvcc (CUDA_HOME)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def sources(with_cuda: bool) -> list[str]:
+    names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
+    return [str(CSRC / n) for n in names]
+
+
+def cxx_defines(with_cuda: bool) -> list[str]:
+    return ["-DMEGATRON_RL_WITH_CUDA"] if with_cuda else []
+
+
+def extension_modules():
+    """(cmdclass, ext_modules) for setup.py: CUDAExtension when possible, else CppExtension."""
+    from torch.utils import cpp_extension
+
+    with_cuda = cuda_build_possible()
+    rel = [os.path.relpath(s, REPO_ROOT) for s in sources(with_cuda)]
+    cls = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
+    extra = {"cxx": CXX_FLAGS + cxx_defines(with_cuda)}
+    if with_cuda:
+        extra["nvcc"] = NVCC_FLAGS
+    ext = cls(
+        name=f"megatron_rl.ops.{PREBUILT_STEM}",
+        sources=rel,
+        extra_compile_args=extra,
+        extra_link_args=LD_FLAGS,
+        py_limited_api=False,
+    )
+    build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=False)
+    return {"build_ext": build_ext}, [ext]
+
+
+def prebuilt_library() -> Path | None:
+    """The shared library a MEGATRON_RL_BUILD_EXT=1 install left next to this file, if any."""
+    hits = sorted(Path(__file__).parent.glob(f"{PREBUILT_STEM}*.so"))
+    return hits[0] if hits else None
+
+
+def jit_build_dir(with_cuda: bool) -> Path:
+    """Cache folder of the JIT build: $MEGATRON_RL_EXT_DIR or ~/.cache/megatron_rl/ext, one subfolder
+    per torch version and device flavour, so CI compiles once and reuses it for the whole run."""
+    import torch
+
+    base = os.environ.get("MEGATRON_RL_EXT_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_rl", "ext"
+    )
+    flavour = "cuda" if with_cuda else "cpu"
+    path = Path(base) / f"torch{torch.__version__.replace('+', '_')}_{flavour}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def jit_load(verbose: bool = False) -> str:
+    """Compile (once; ninja reuses the cached objects) and load the extension; returns the build dir."""
+    import torch
+    from torch.utils import cpp_extension
+
+    missing = [s for s in sources(False) if not os.path.exists(s)]
+    if missing:
+        raise FileNotFoundError(f"csrc sources not found (non-editable install?): {missing}")
+    with_cuda = cuda_build_possible() and torch.cuda.is_available()
+    build_dir = jit_build_dir(with_cuda)
+    os.environ.setdefault("MAX_JOBS", "2")
+    cpp_extension.load(
+        name=f"{EXT_NAME}_{'cuda' if with_cuda else 'cpu'}",
+        sources=sources(with_cuda),
+        extra_cflags=CXX_FLAGS + cxx_defines(with_cuda),
+        extra_cuda_cflags=NVCC_FLAGS if with_cuda else None,
+        extra_ldflags=LD_FLAGS,
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return str(build_dir)

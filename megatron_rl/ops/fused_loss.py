@@ -1,0 +1,82 @@
+"""fused_clipped_loss: token-normalised clipped surrogate straight from (vocab-parallel) logits.
+
+Forward: one pass over each row of logits (online log-sum-exp, target logit) -> per-token logprob ->
+the reference surrogate on [tokens] values. Backward: d loss / d logits = coef_t * (onehot - softmax),
+written by one kernel in the logits dtype; nothing float32 of size [tokens, vocab] is ever built.
+Saved for backward: the logits (already alive in the caller's graph) and three float32 [tokens].
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _backend
+from ._core import (VocabShard, check_targets, flatten_token_inputs, loss_and_coef, reduce_stats,
+                    resolve_normalizer)
+
+
+class _FusedClippedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tok, eps_low, eps_high, normalizer, tis_cap, shard, inplace_backward):
+        z = logits.reshape(-1, shard.size)
+        if not z.is_contiguous():
+            z = z.contiguous()
+        row_max, row_sum, target_logit = _backend.lse_stats(z, tok.targets, shard.start)
+        lse, target_logit = reduce_stats(row_max, row_sum, target_logit, shard)
+        logp = target_logit - lse
+        need_grad = ctx.needs_input_grad[0]
+        loss, coef = loss_and_coef(logp, tok, slice(None), eps_low, eps_high, normalizer, tis_cap,
+                                   need_grad)
+        if need_grad:
+            ctx.save_for_backward(z, tok.targets, lse, coef)
+        ctx.shard, ctx.inplace, ctx.logits_shape = shard, inplace_backward, logits.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        z, targets, lse, coef = ctx.saved_tensors
+        scaled = (coef * grad_loss.to(coef.dtype)).float()
+        grad = _backend.logits_grad(z, targets, lse, scaled, ctx.shard.start, inplace=ctx.inplace)
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None
+
+
+def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,
+                       mask: Tensor, eps_low: float = 0.2, eps_high: float = 0.28, tp_group=None, *,
+                       normalizer=None, inplace_backward: bool = False, tis_cap: float | None = None,
+                       proximal_logprobs: Tensor | None = None) -> Tensor:
+    """Scalar loss equal (value and gradient) to
+    `clipped_token_loss(log_softmax(logits).gather(targets), behaviour_logprobs, advantages, mask, ...)`.
+
+    logits: `[B, T, V_local]` float32/bfloat16/float16 (float64 runs the PyTorch path); under tensor
+        parallelism each rank of `tp_group` holds vocab slice `[rank * V_local, (rank + 1) * V_local)`
+        (Megatron's equal split) and gets the gradient of its slice; the loss is the same on all ranks.
+    targets: `[B, T]` global token ids (any value on masked positions).
+    behaviour_logprobs, mask: `[B, T]`; advantages: `[B]` or `[B, T]`.
+    normalizer: unmasked-token count of the whole minibatch (micro-batch accumulation / DP); None ->
+        mask.sum() of this call. tis_cap, proximal_logprobs: as in `clipped_token_loss`.
+    inplace_backward: write the gradient into the logits buffer (saves one logits-sized tensor; the
+        logits must not be used by anything else after backward, autograd checks saved uses).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V_local], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    tok = flatten_token_inputs(logits.shape[:2], targets, behaviour_logprobs, advantages, mask,
+                               proximal_logprobs)
+    shard = VocabShard.of(logits.shape[-1], tp_group)
+    check_targets(tok, shard.size * shard.world)
+    norm = resolve_normalizer(tok.mask, normalizer)
+    return _FusedClippedLoss.apply(logits, tok, eps_low, eps_high, norm, tis_cap, shard, inplace_backward)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, tp_group=None) -> Tensor:
+    """Detached per-token logprobs `[B, T]` (float32) of `targets` with the same fused kernels."""
+    if logits.dim() != 3 or tuple(targets.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"need logits [B, T, V] and targets [B, T], got {tuple(logits.shape)}, "
+                         f"{tuple(targets.shape)}")
+    shard = VocabShard.of(logits.shape[-1], tp_group)
+    with torch.no_grad():
+        z = logits.reshape(-1, shard.size).contiguous()
+        stats = _backend.lse_stats(z, targets.reshape(-1).to(torch.int64).contiguous(), shard.start)
+        lse, target_logit = reduce_stats(*stats, shard)
+    return (target_logit - lse).view(targets.shape)

@@ -1,0 +1,198 @@
+"""fused_clipped_loss against the reference algo.loss.clipped_token_loss on explicit logprobs.
+
+Each case builds logits, then chooses behaviour logprobs so that tokens land in every regime of the
+clipped surrogate (masked; unclipped with A > 0 and A < 0 on both sides of 1; clipped high with A > 0;
+clipped low with A < 0); the regimes are asserted from the reference's own statistics.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from megatron_rl.algo.loss import clipped_token_loss, clipped_token_loss_with_stats
+from megatron_rl.ops import _backend, fused_clipped_loss, token_logprobs
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+# (advantage sign, ratio) per regime; None = masked token
+REGIMES = [None, (1, 1.1), (1, 1.6), (1, 0.5), (-1, 0.5), (-1, 1.6), (-1, 0.95), (1, 0.9)]
+
+
+def ext_or_skip():
+    if not _backend.extension_available():
+        pytest.skip(f"csrc extension unavailable (no C++ compiler?): {_backend.extension_error()}")
+
+
+@pytest.fixture(params=["ext", "torch"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", request.param)
+    if request.param == "ext":
+        ext_or_skip()
+    return request.param
+
+
+def make_case(dtype, B=3, T=16, V=97, seed=0, per_token_adv=True):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=g) * 2.0).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None])[..., 0]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv = torch.empty(B, T, dtype=torch.float64)
+    ratio = torch.empty(B, T, dtype=torch.float64)
+    for i in range(B * T):
+        b, t = divmod(i, T)
+        regime = REGIMES[i % len(REGIMES)]
+        if regime is None:
+            mask[b, t] = False
+            targets[b, t] = -100  # ignore-index style padding must be harmless when masked
+            adv[b, t], ratio[b, t] = 1.0, 1.0
+        else:
+            adv[b, t] = regime[0] * (0.5 + torch.rand((), generator=g).item())
+            ratio[b, t] = regime[1]
+    if not per_token_adv:
+        adv = adv[:, 0].abs() + 0.3
+    behaviour = (exact - torch.log(ratio)).float()
+    return logits, targets, behaviour, adv.float(), mask
+
+
+def reference(logits, targets, behaviour, adv, mask, **kw):
+    """log_softmax + gather (float32 at least) + the reference loss; returns (loss, d loss/d logits)."""
+    z = logits.detach().clone().requires_grad_(True)
+    work = z if z.dtype == torch.float64 else z.float()
+    logp = torch.log_softmax(work, -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
+    loss = clipped_token_loss(logp, behaviour, adv, mask, EPS_LOW, EPS_HIGH, **kw)
+    loss.backward()
+    return loss.detach(), z.grad
+
+
+def fused(logits, targets, behaviour, adv, mask, **kw):
+    z = logits.detach().clone().requires_grad_(True)
+    loss = fused_clipped_loss(z, targets, behaviour, adv, mask, EPS_LOW, EPS_HIGH, **kw)
+    loss.backward()
+    return loss.detach(), z.grad
+
+
+def test_case_covers_every_regime():
+    logits, targets, behaviour, adv, mask = make_case(torch.float32)
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
+    _, stats = clipped_token_loss_with_stats(logp, behaviour, adv, mask, EPS_LOW, EPS_HIGH)
+    assert 0 < stats.clip_frac_low < 1 and 0 < stats.clip_frac_high < 1
+    assert (~mask).any() and (mask & (adv < 0)).any() and (mask & (adv > 0)).any()
+
+
+@pytest.mark.parametrize("per_token_adv", [True, False])
+def test_fp32_matches_reference(backend, per_token_adv):
+    case = make_case(torch.float32, per_token_adv=per_token_adv)
+    ref_loss, ref_grad = reference(*case)
+    loss, grad = fused(*case)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_tolerance(backend, dtype):
+    logits, *rest = make_case(dtype, seed=1)
+    ref_loss, ref_grad = reference(logits.float(), *rest)  # exact math on the same rounded logits
+    loss, grad = fused(logits, *rest)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)  # stats are float32 internally
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-3  # one rounding of the gradient to the dtype
+    torch.testing.assert_close(grad.float(), ref_grad, rtol=tol, atol=tol * ref_grad.abs().max().item())
+
+
+def test_micro_batch_accumulation_with_normalizer(backend):
+    logits, targets, behaviour, adv, mask = make_case(torch.float32, B=4, seed=2)
+    full_loss, full_grad = reference(logits, targets, behaviour, adv, mask)
+    total = mask.sum()
+    parts = [fused(logits[s], targets[s], behaviour[s], adv[s], mask[s], normalizer=total)
+             for s in (slice(0, 1), slice(1, 4))]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], full_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]]), full_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_options_pass_through_tis_cap(backend):
+    case = make_case(torch.float32, seed=3)
+    ref_loss, ref_grad = reference(*case, tis_cap=1.2)
+    loss, grad = fused(*case, tis_cap=1.2)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_inplace_backward_writes_into_logits(backend):
+    logits, *rest = make_case(torch.bfloat16, seed=4)
+    _, expected = fused(logits, *rest)
+    leaf = logits.clone().requires_grad_(True)
+    z = leaf * 1  # non-leaf logits, as a model's output would be
+    captured = {}
+    z.register_hook(lambda g: captured.setdefault("g", g))
+    loss = fused_clipped_loss(z, *rest, EPS_LOW, EPS_HIGH, inplace_backward=True)
+    loss.backward()
+    assert captured["g"].data_ptr() == z.data_ptr()
+    torch.testing.assert_close(leaf.grad, expected, rtol=0, atol=0)
+
+
+def test_float64_gradcheck_finite_differences(monkeypatch):
+    logits, targets, behaviour, adv, mask = make_case(torch.float64, B=2, T=8, V=11, seed=5)
+    z = logits.clone().requires_grad_(True)
+    fn = lambda x: fused_clipped_loss(x, targets, behaviour.double(), adv.double(), mask)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-8)
+
+
+def test_extension_equals_torch_path_on_large_vocab(monkeypatch):
+    ext_or_skip()
+    case = make_case(torch.bfloat16, B=2, T=8, V=5000, seed=6)
+    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", "ext")
+    ext = fused(*case)
+    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", "torch")
+    ref = fused(*case)
+    torch.testing.assert_close(ext[0], ref[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ext[1].float(), ref[1].float(), rtol=0, atol=2e-3 * ref[1].abs().max().item())
+
+
+def test_token_logprobs(backend):
+    logits, targets, *_ = make_case(torch.float32, seed=7)
+    targets = targets.clamp_min(0)
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(token_logprobs(logits, targets).double(), expected, rtol=0, atol=2e-6)
+
+
+def test_all_masked_gives_zero_loss_and_gradient(backend):
+    logits, targets, behaviour, adv, mask = make_case(torch.float32, seed=8)
+    loss, grad = fused(logits, targets, behaviour, adv, torch.zeros_like(mask))
+    assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+
+
+def test_bad_inputs_raise_clear_errors():
+    logits, targets, behaviour, adv, mask = make_case(torch.float32, B=2, T=4, V=7)
+    with pytest.raises(ValueError, match="logits must be"):
+        fused_clipped_loss(logits[0], targets, behaviour, adv, mask)
+    with pytest.raises(ValueError, match="targets must be"):
+        fused_clipped_loss(logits, targets[:, :3], behaviour, adv, mask)
+    with pytest.raises(ValueError, match="advantages must be"):
+        fused_clipped_loss(logits, targets, behaviour, adv[:, :2], mask)
+    bad = targets.clone()
+    bad[mask] = 7
+    with pytest.raises(ValueError, match=r"in \[0, 7\)"):
+        fused_clipped_loss(logits, bad, behaviour, adv, mask)
+    with pytest.raises(TypeError, match="floating point"):
+        fused_clipped_loss(logits.long(), targets, behaviour, adv, mask)
+
+
+def test_missing_extension_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", "auto")
+    monkeypatch.setattr(_backend, "_state", {"loaded": False, "error": "no compiler", "warned": False})
+    case = make_case(torch.float32, B=1, T=8, V=13)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_a, _ = fused(*case)
+        loss_b, _ = fused(*case)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "no compiler" in msgs[0]
+    assert math.isfinite(loss_a.item()) and loss_a.item() == loss_b.item()
+    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", "ext")
+    with pytest.raises(RuntimeError, match="no compiler"):
+        fused(*case)

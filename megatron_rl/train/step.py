@@ -1,0 +1,221 @@
+"""The RL update: one optimizer step per minibatch, through Megatron's pipeline schedules.
+
+For each minibatch (every trainer rank holds the same whole minibatch):
+1. advantages are standardised over the whole minibatch (`algo.advantages.normalize`; the
+   statistics are therefore minibatch-wide across all DP ranks without communication);
+2. its sequences are dealt to the DP ranks balancing token counts, and each rank packs its share into
+   bins of `micro_batch_tokens` (one packed micro-batch per bin);
+3. Megatron's forward/backward schedule (no pipelining, or 1F1B / interleaved under PP) runs the
+   micro-batches; the loss function returns the clipped-surrogate token SUM and the token count, and
+   `finalize_model_grads` divides the gradients by the total count over micro-batches and DP ranks,
+   so accumulation equals the full-minibatch token-normalised loss;
+4. the optimizer clips the global gradient norm and steps.
+
+The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only).
+Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
+so every rank returns the same numbers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algo.advantages import normalize
+from megatron_rl.algo.loss import clipped_token_loss_with_stats
+from megatron_rl.config import AlgoConfig, TrainerConfig
+from megatron_rl.records import TrainSequence
+from megatron_rl.train.logprobs import token_logprobs
+from megatron_rl.train.packing import PackedMicroBatch, PackingStats, pack_sequences, split_balanced
+
+Objective = Literal["rl", "sft"]
+# Reduced per micro-batch: sums, then mins/maxes (order matters for the all-reduce below).
+_SUM_KEYS = ("loss_sum", "n_tokens", "clip_low", "clip_high", "ratio_sum", "entropy_sum", "logprob_sum")
+_MIN_KEYS = ("ratio_min",)
+_MAX_KEYS = ("ratio_max",)
+
+
+@dataclass
+class StepContext:
+    """What a step needs besides the model: configs, parallel layout and the real vocab size."""
+
+    algo: AlgoConfig
+    trainer: TrainerConfig
+    layout: object  # ParallelLayout
+    vocab_size: int
+    use_thd: bool = False  # packed THD attention (Transformer Engine); explicit masks otherwise
+
+
+def minibatch_advantages(seqs: Sequence[TrainSequence], algo: AlgoConfig) -> list[float]:
+    """Per-sequence advantages after the minibatch normalisation the config asks for."""
+    adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float64)
+    if algo.adv_norm != "minibatch":  # `group` is done by the controller when grouping; `none` is none
+        return adv.tolist()
+    lengths = torch.tensor([s.completion_len for s in seqs])
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    return normalize(adv, mask, mode="minibatch", weighting=algo.adv_norm_weighting).tolist()
+
+
+def _pad_multiple(chunk_config) -> int:
+    return chunk_config.tensor_model_parallel_size if chunk_config.sequence_parallel else 1
+
+
+def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
+    if use_thd:
+        return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+    return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask())
+
+
+def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, output: torch.Tensor):
+    """Token-sum loss, token count, and detached sums for the metrics of this micro-batch."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group() if ctx.layout.tp > 1 else None
+    logits = output.float() if output.dtype != torch.float32 else output
+    logp, entropy = token_logprobs(logits, mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size,
+                                   with_entropy=True)
+    mask = mb.loss_mask > 0
+    n = mask.sum()
+    if objective == "rl":
+        loss_sum, st = clipped_token_loss_with_stats(
+            logp, mb.behaviour_logprobs, mb.advantages, mask, ctx.algo.eps_low, ctx.algo.eps_high,
+            normalizer=1.0)
+        clip_low, clip_high = st.clip_frac_low * st.n_tokens, st.clip_frac_high * st.n_tokens
+        ratio_sum, ratio_min, ratio_max = st.ratio_mean * st.n_tokens, st.ratio_min, st.ratio_max
+    else:
+        loss_sum = -torch.where(mask, logp, 0.0).sum()
+        zero = torch.zeros((), dtype=torch.float32)
+        clip_low = clip_high = zero
+        ratio_sum, ratio_min, ratio_max = n.float(), torch.ones(()), torch.ones(())
+    with torch.no_grad():
+        reduced = {
+            "loss_sum": loss_sum.detach().float(), "n_tokens": n.float(),
+            "clip_low": clip_low.float(), "clip_high": clip_high.float(), "ratio_sum": ratio_sum.float(),
+            "entropy_sum": torch.where(mask, entropy, 0.0).sum().float(),
+            "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float(),
+            "ratio_min": ratio_min.float(), "ratio_max": ratio_max.float(),
+        }
+    # the schedule backpropagates loss_sum; finalize_model_grads divides grads by the summed count
+    return loss_sum, n.to(torch.int), reduced
+
+
+def _forward_step(ctx: StepContext, objective: Objective, data_iterator, model_chunk):
+    mb = next(data_iterator)
+    output = _forward(model_chunk, mb, ctx.use_thd)
+    return output, partial(_loss_func, mb, ctx, objective)
+
+
+def _reduce_metrics(stores: list[dict], ctx: StepContext) -> dict[str, float]:
+    """Combine micro-batch sums over DP ranks and share them from the last PP stage with everyone."""
+    from megatron.core import parallel_state as ps
+
+    big = torch.finfo(torch.float32).max
+    sums = torch.zeros(len(_SUM_KEYS))
+    mins = torch.full((len(_MIN_KEYS),), big)
+    maxs = torch.full((len(_MAX_KEYS),), -big)
+    for d in stores:
+        if float(d["n_tokens"]) == 0:
+            continue
+        sums += torch.stack([d[k] for k in _SUM_KEYS])
+        mins = torch.minimum(mins, torch.stack([d[k] for k in _MIN_KEYS]))
+        maxs = torch.maximum(maxs, torch.stack([d[k] for k in _MAX_KEYS]))
+    if dist.is_initialized():
+        dp = ps.get_data_parallel_group()
+        dist.all_reduce(sums, group=dp)
+        dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=dp)
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=dp)
+        if ctx.layout.pp > 1:
+            flat = torch.cat([sums, mins, maxs])
+            last = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(flat, src=last, group=ps.get_pipeline_model_parallel_group())
+            sums, mins, maxs = flat.split([len(_SUM_KEYS), len(_MIN_KEYS), len(_MAX_KEYS)])
+    s = dict(zip(_SUM_KEYS, sums.tolist()))
+    n = max(s["n_tokens"], 1.0)
+    return {
+        "loss": s["loss_sum"] / n, "n_loss_tokens": s["n_tokens"],
+        "clip_frac_low": s["clip_low"] / n, "clip_frac_high": s["clip_high"] / n,
+        "ratio_mean": s["ratio_sum"] / n, "ratio_min": float(mins[0]), "ratio_max": float(maxs[0]),
+        "entropy": s["entropy_sum"] / n, "logprob_mean": s["logprob_sum"] / n,
+    }
+
+
+def _all_reduce_int(values: list[int]) -> list[int]:
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return [int(v) for v in t.tolist()]
+
+
+@dataclass
+class ForwardBackwardResult:
+    metrics: dict[str, float]  # reduced over micro-batches and DP ranks, identical on every rank
+    stats: PackingStats  # this rank's packing
+    n_micro_batches: int
+
+
+def forward_backward(model: list, seqs: Sequence[TrainSequence], ctx: StepContext,
+                     objective: Objective = "rl", forward_only: bool = False) -> ForwardBackwardResult:
+    """Collective: gradients of the minibatch loss in the DDP grad buffers (no optimizer step)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not seqs:
+        raise ValueError("empty minibatch")
+    advantages = minibatch_advantages(seqs, ctx.algo) if objective == "rl" else [0.0] * len(seqs)
+    dp_size = ps.get_data_parallel_world_size()
+    share = split_balanced([len(s.token_ids) for s in seqs], dp_size)[ps.get_data_parallel_rank()]
+    packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens,
+                            advantages=[advantages[i] for i in share],
+                            pad_multiple=_pad_multiple(model[0].config), pad_to_common=ctx.layout.pp > 1)
+    mbs = packed.micro_batches
+    if ctx.layout.n_chunks > 1 and len(mbs) % ctx.layout.pp:
+        raise ValueError(f"interleaved pipeline needs the micro-batch count ({len(mbs)}) to be a multiple "
+                         f"of pp={ctx.layout.pp}; lower trainer.micro_batch_tokens or change the minibatch")
+    if not forward_only:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+    iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
+    stores = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, ctx, objective), data_iterator=iters, model=model,
+        num_microbatches=len(mbs), seq_length=packed.seq_length, micro_batch_size=1,
+        forward_only=forward_only)
+    metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx)
+    real, packed_tok = _all_reduce_int([packed.stats.real_tokens, packed.stats.packed_tokens])
+    # naive baseline: every sequence of the minibatch padded to its longest one
+    naive = len(seqs) * max(len(s.token_ids) for s in seqs)
+    metrics.update({
+        "tokens": float(real), "padding_fraction": 1.0 - real / packed_tok,
+        "naive_padding_fraction": 1.0 - real / naive, "n_micro_batches": float(len(mbs)),
+        "n_sequences": float(len(seqs)),
+    })
+    return ForwardBackwardResult(metrics, packed.stats, len(mbs))
+
+
+def run_minibatch(model: list, optimizer, seqs: Sequence[TrainSequence], ctx: StepContext,
+                  objective: Objective = "rl", forward_only: bool = False) -> dict[str, float]:
+    """Collective over all trainer ranks: one optimizer step on one minibatch; returns metrics.
+
+    forward_only=True evaluates the loss and metrics without touching gradients or weights.
+    """
+    t0 = time.perf_counter()
+    if not forward_only:
+        optimizer.zero_grad()
+    result = forward_backward(model, seqs, ctx, objective, forward_only)
+    grad_norm = None
+    if not forward_only:
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped (non-finite gradients)")
+    elapsed = time.perf_counter() - t0
+    metrics = dict(result.metrics)
+    metrics.update({
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "tokens_per_s": metrics["tokens"] / elapsed, "step_time_s": elapsed,
+    })
+    return metrics

@@ -1,0 +1,126 @@
+"""`Trainer`: the facade the controller drives (build, train on a Batch, save/load).
+
+    trainer = Trainer(config)                # Megatron model from config.trainer.model, HF weights
+    metrics = trainer.train_on(batch)        # n_mini optimizer steps; trainer.version += 1
+    trainer.save(root, extra={"data": ...})  # atomic dist_checkpointing checkpoint under root
+    extra = trainer.load(root)               # resume (latest complete checkpoint under root)
+
+Every trainer rank must call these collectively with the same arguments (the same whole Batch: the
+step splits it over DP ranks itself). `version` counts updates (`train_on` calls): it is the policy
+version the generators receive with the weights; `step` counts optimizer steps.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from megatron_rl.config import Config
+from megatron_rl.records import Batch, TrainSequence
+from megatron_rl.train import checkpoint as ckpt
+from megatron_rl.train.optimizer import build_optimizer, precision_dtype, set_lr, wrap_model
+from megatron_rl.train.parallel import ParallelLayout, init_parallel
+from megatron_rl.train.step import StepContext, run_minibatch
+
+log = logging.getLogger(__name__)
+_STATE_KEY = "_trainer"  # reserved key in the checkpoint's extra state
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class Trainer:
+    """Megatron-Core policy trainer (TP x PP x DP) for the RL step and SFT."""
+
+    def __init__(self, config: Config, *, hf_config=None, load_weights: bool = True,
+                 keep_checkpoints: int = 3, backend: str | None = None):
+        from megatron_rl.train.hf_source import resolve_model
+        from megatron_rl.train.model import build_model, te_available
+
+        self.config = config
+        t = config.trainer
+        self.layout = init_parallel(ParallelLayout(t.tensor_parallel, t.pipeline_parallel, t.data_parallel,
+                                                   t.virtual_pipeline), backend=backend, seed=t.seed)
+        source = None
+        if hf_config is None or load_weights:
+            source = resolve_model(t.model)
+            hf_config = hf_config or source.config()
+        self.hf_config = hf_config
+        chunks = build_model(hf_config, self.layout, precision_dtype(t))
+        if load_weights:
+            from megatron_rl.train.hf_weights import load_hf_weights
+
+            load_hf_weights(chunks, source.tensors())
+        self.dims = chunks[0].mrl_dims
+        self.model = wrap_model(chunks, t)
+        self.optimizer = build_optimizer(self.model, t)
+        self.keep_checkpoints = keep_checkpoints
+        self.ctx = StepContext(algo=config.algo, trainer=t, layout=self.layout,
+                               vocab_size=self.dims.vocab_size, use_thd=te_available())
+        self.version = 0
+        self.step = 0
+
+    # ------------------------------------------------------------ model access
+    @property
+    def model_chunks(self) -> list:
+        """The bare GPTModel chunks (for weight export / sync)."""
+        return [_unwrap(m) for m in self.model]
+
+    # ------------------------------------------------------------ training
+    def _minibatches(self, seqs: Sequence[TrainSequence], n_mini: int) -> list[list[TrainSequence]]:
+        size = len(seqs) // n_mini
+        return [list(seqs[i * size:(i + 1) * size]) for i in range(n_mini)]
+
+    def _run(self, seqs: Sequence[TrainSequence], n_mini: int, objective: str) -> dict[str, Any]:
+        steps = []
+        for mb in self._minibatches(seqs, n_mini):
+            set_lr(self.optimizer, self.config.trainer.lr)
+            m = run_minibatch(self.model, self.optimizer, mb, self.ctx, objective=objective)
+            self.step += 1
+            m["step"] = float(self.step)
+            steps.append(m)
+        self.version += 1
+        keys = [k for k in steps[0] if k != "step"]
+        summary: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps) for k in keys}
+        summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
+        summary.update(version=self.version, step=self.step, steps=steps)
+        return summary
+
+    def train_on(self, batch: Batch) -> dict[str, Any]:
+        """One trainer update: `batch.n_mini` optimizer steps. Returns the mean metrics over the
+        steps plus `steps` (the per-step metrics), `version` and `step`."""
+        if not isinstance(batch, Batch):
+            raise TypeError(f"train_on expects a records.Batch, got {type(batch).__name__}")
+        return self._run(batch.sequences, batch.n_mini, "rl")
+
+    def train_sft(self, seqs: Sequence[TrainSequence], n_mini: int = 1) -> dict[str, Any]:
+        """SFT update: cross-entropy on completion tokens, `n_mini` optimizer steps."""
+        if not seqs or len(seqs) % n_mini:
+            raise ValueError(f"{len(seqs)} sequences cannot be split into {n_mini} minibatches")
+        return self._run(seqs, n_mini, "sft")
+
+    @torch.no_grad()
+    def evaluate(self, seqs: Sequence[TrainSequence], objective: str = "rl") -> dict[str, float]:
+        """Loss/metrics of `seqs` under the current weights (no update)."""
+        return run_minibatch(self.model, self.optimizer, seqs, self.ctx, objective=objective, forward_only=True)
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Collective: atomic checkpoint `root/step_<version>`; `extra` must be JSON-serialisable."""
+        state = {_STATE_KEY: {"version": self.version, "step": self.step}, "user": extra or {}}
+        return ckpt.save_checkpoint(root, self.model, self.optimizer, self.layout, self.version, state,
+                                    keep_last=self.keep_checkpoints)
+
+    def load(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+        """Collective: resume from a checkpoint (a root -> its latest). Returns the `extra` saved."""
+        result = ckpt.load_checkpoint(path, self.model, self.optimizer, self.layout, load_optimizer)
+        own = result.extra.get(_STATE_KEY, {})
+        self.version = int(own.get("version", result.step))
+        self.step = int(own.get("step", 0))
+        self.last_load = result
+        return dict(result.extra.get("user", {}))

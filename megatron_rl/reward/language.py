@@ -9,9 +9,12 @@ Magistral grants +0.1 when problem, thoughts and answer are in one language. The
    character counts ``cjk_weight`` (it carries about a word); single-letter words (variables) count 0.
    Chunks whose top probability is below ``min_confidence`` abstain (ambiguous, not penalised).
    The part's language is the one with the most letters among confident chunks; it is **mixed** when
-   that language holds less than ``dominance`` of them, or when a second writing system (Latin,
-   Cyrillic, CJK, ...) holds more than ``script_tolerance`` of all letters (this catches switching
-   inside a sentence, e.g. "we compute 然后 set it to zero").
+   that language holds less than ``dominance`` of them, or when phrases in a second writing system
+   (Latin, Cyrillic, CJK, ...) hold more than ``script_tolerance`` of all letters. A phrase is a
+   run of >= 2 words (>= 2 characters for CJK) — "we compute 然后 set it to zero" switches; a
+   single foreign word (a name, "Python" in Chinese text) is tolerated. This catches switching
+   inside a sentence, which sentence-level classification cannot see; switching between two
+   languages of one script inside a sentence ("I think c'est la vie") is not caught.
 3. ``is_consistent``: a part with fewer than ``min_letters`` letters after cleaning (a bare
    ``\\boxed{42}``, a page of LaTeX) abstains; thoughts or answer that are mixed make the response
    inconsistent; otherwise the parts that did not abstain must all have the same language. If all
@@ -57,7 +60,8 @@ class LanguagePolicy:
     chunk_letters: int = 24  # sentences are grouped into chunks of at least this many letters
     min_confidence: float = 0.4  # chunks classified below this abstain
     dominance: float = 0.8  # the top language must hold this share of confident letters
-    script_tolerance: float = 0.25  # max share of letters in a second writing system
+    # max share of letters in phrases of a second writing system (single words are tolerated)
+    script_tolerance: float = 0.08
     cjk_weight: int = 3  # letters one CJK character counts for
 
 
@@ -149,6 +153,24 @@ def _script(ch: str) -> str:
     return head.lower() or "other"  # LATIN, CYRILLIC, GREEK, ARABIC, HANGUL, ...
 
 
+def _script_runs(words: list[str], policy: LanguagePolicy) -> list[tuple[str, int, int]]:
+    """Maximal runs of consecutive counted words in one writing system: (script, n_words, letters).
+    A CJK run counts one "word" per character (CJK is written without spaces)."""
+    runs: list[list] = []
+    for w in words:
+        weights = _weights([w], policy)
+        if not weights:
+            continue
+        script = max(weights, key=weights.get)
+        n_words = sum(c.isalpha() for c in w) if script == "cjk" else 1
+        if runs and runs[-1][0] == script:
+            runs[-1][1] += n_words
+            runs[-1][2] += sum(weights.values())
+        else:
+            runs.append([script, n_words, sum(weights.values())])
+    return [tuple(r) for r in runs]
+
+
 def _weights(words: list[str], policy: LanguagePolicy) -> dict[str, int]:
     """Weighted letters per writing system; single-letter non-CJK words (variables) count 0."""
     out: dict[str, int] = {}
@@ -178,13 +200,16 @@ def profile(text: str, policy: LanguagePolicy = DEFAULT_POLICY) -> LanguageProfi
     chunks: list[tuple[str, dict[str, int]]] = []  # (text, script weights)
     buf: list[str] = []
     buf_w: dict[str, int] = {}
+    runs: list[tuple[str, int, int]] = []  # (script, words, letters) of same-script word runs
     for sentence in _SENTENCE.split(strip_markup(text)):
         words = _words(sentence)
         if not words:
             continue
         buf.append(" ".join(words))
-        for s, n in _weights(words, policy).items():
+        sent_w = _weights(words, policy)
+        for s, n in sent_w.items():
             buf_w[s] = buf_w.get(s, 0) + n
+        runs.extend(_script_runs(words, policy))
         if sum(buf_w.values()) >= policy.chunk_letters:
             chunks.append((". ".join(buf), buf_w))
             buf, buf_w = [], {}
@@ -204,6 +229,9 @@ def profile(text: str, policy: LanguagePolicy = DEFAULT_POLICY) -> LanguageProfi
             scripts[s] = scripts.get(s, 0) + n
     letters = sum(scripts.values())
     script_share = max(scripts.values()) / letters if letters else 1.0
+    main = max(scripts, key=scripts.get) if scripts else "latin"
+    # letters in phrases (>= 2 words; >= 2 characters for CJK) of a second writing system
+    foreign = sum(n for script, k, n in runs if script != main and k >= 2) / letters if letters else 0.0
     if letters < policy.min_letters:
         return LanguageProfile(None, 0.0, 0.0, script_share, letters, False)
 
@@ -220,11 +248,11 @@ def profile(text: str, policy: LanguagePolicy = DEFAULT_POLICY) -> LanguageProfi
             per_lang[lang] = per_lang.get(lang, 0) + n
             probs.setdefault(lang, []).append(p)
     if not per_lang:
-        mixed = script_share < 1.0 - policy.script_tolerance
+        mixed = foreign > policy.script_tolerance
         return LanguageProfile(None, 0.0, 0.0, script_share, letters, mixed, judged)
     top = max(per_lang, key=per_lang.get)
     share = per_lang[top] / sum(per_lang.values())
-    mixed = share < policy.dominance or script_share < 1.0 - policy.script_tolerance
+    mixed = share < policy.dominance or foreign > policy.script_tolerance
     conf = sum(probs[top]) / len(probs[top])
     return LanguageProfile(top, conf, share, script_share, letters, mixed, judged)
 

@@ -1,0 +1,195 @@
+"""Equivalence of two parsed answers (math_parse values), recursively by structure.
+
+Policies (why, in short):
+- sets and bare comma lists are order-free (multiset matching); bracketed tuples are ordered; a
+  2-element bracketed pair is an interval too, so its brackets must match ([1,2) != [1,2]);
+- an equation matches a bare value through its right side (``x=3`` ~ ``3``), two equations match
+  when their left sides are the same symbol and right sides agree, or when lhs-rhs is proportional;
+- a one-element set/list matches its element; a column/row matrix matches a tuple of its entries;
+- percent: ``50\\%`` ~ ``50`` ~ ``0.5`` (when only one side has the sign, either reading is accepted);
+- degrees: ``30^\\circ`` ~ ``30`` ~ ``\\pi/6`` (same rule: either reading);
+- text answers compare case- and space-insensitively; choice letters compare by letter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from megatron_rl.reward.math_normalize import Normalized
+from megatron_rl.reward.math_parse import (Choice, Equation, Matrix, Scalar, Seq, Text, Union,
+                                           parse_text)
+
+
+@dataclass(frozen=True)
+class Flags:
+    percent: bool = False
+    degrees: bool = False
+
+
+def _letter(v) -> str | None:
+    if isinstance(v, Choice):
+        return v.letter
+    if isinstance(v, Scalar) and len(v.source) == 1 and v.source.isalpha():
+        return v.source.upper()
+    if isinstance(v, Text) and len(v.words) == 1:
+        return v.words.upper()
+    return None
+
+
+def _plain_text(v) -> str | None:
+    if isinstance(v, Text):
+        return v.words
+    if isinstance(v, Scalar):
+        return "".join(v.source.lower().split())
+    return None
+
+
+def _scales(mine: Flags, other: Flags) -> list:
+    """Readings of one side's value: percent/degree signs only one side has give two readings."""
+    import sympy
+
+    out = [1]
+    if mine.percent and not other.percent:
+        out.append(sympy.Rational(1, 100))
+    if mine.degrees and not other.degrees:
+        out.append(sympy.pi / 180)
+    return out
+
+
+def _fast_numbers(a: Scalar, b: Scalar) -> bool | None:
+    """Exact answer for two rational literals when the rounding rule cannot apply, else None."""
+    if a.number is None or b.number is None:
+        return None
+    if a.number == b.number:
+        return True
+    # two decimals or a decimal vs a terminating exact value: no rounding tolerance applies
+    return False if _terminates(a.number) and _terminates(b.number) else None
+
+
+def _terminates(q: Fraction) -> bool:
+    d = q.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
+
+
+def scalars_equal(a: Scalar, b: Scalar, fa: Flags, fb: Flags) -> bool:
+    from megatron_rl.reward.math_sympy import Unparseable, sympy_equal  # heavy import: workers only
+
+    scales_a, scales_b = _scales(fa, fb), _scales(fb, fa)
+    if len(scales_a) == 1 and len(scales_b) == 1:
+        fast = _fast_numbers(a, b)
+        if fast is not None:
+            return fast
+    for sa in scales_a:
+        for sb in scales_b:
+            try:
+                if sympy_equal(a, b, sa, sb):
+                    return True
+            except Unparseable:
+                return _plain_text(a) == _plain_text(b)
+            except (TypeError, ValueError, AttributeError, ZeroDivisionError, NotImplementedError):
+                continue
+    return False
+
+
+def _multiset_equal(xs: tuple, ys: tuple, fa: Flags, fb: Flags) -> bool:
+    if len(xs) != len(ys):
+        return False
+    unused = list(ys)
+    for x in xs:
+        for k, y in enumerate(unused):
+            if values_equal(x, y, fa, fb):
+                del unused[k]
+                break
+        else:
+            return False
+    return True
+
+
+def _ordered_equal(xs: tuple, ys: tuple, fa: Flags, fb: Flags) -> bool:
+    return len(xs) == len(ys) and all(values_equal(x, y, fa, fb) for x, y in zip(xs, ys))
+
+
+def _seq_equal(a: Seq, b: Seq, fa: Flags, fb: Flags) -> bool:
+    if a.kind == "ordered" and b.kind == "ordered":
+        if len(a.items) == 2 and (a.left, a.right) != (b.left, b.right):
+            return False  # intervals: open and closed ends differ
+        return _ordered_equal(a.items, b.items, fa, fb)
+    if a.kind == "ordered" or b.kind == "ordered":
+        # "(1, 2)" vs "1, 2": accepted only in order and only for round brackets (not intervals)
+        o, other = (a, b) if a.kind == "ordered" else (b, a)
+        if other.kind == "list" and o.left == "(" and o.right == ")":
+            return _ordered_equal(a.items, b.items, fa, fb)
+        return False
+    return _multiset_equal(a.items, b.items, fa, fb)
+
+
+def _matrix_entries(m: Matrix) -> tuple | None:
+    if len(m.rows) == 1:
+        return m.rows[0]
+    if all(len(r) == 1 for r in m.rows):
+        return tuple(r[0] for r in m.rows)
+    return None
+
+
+def _single(v):
+    """The element of a one-element set or list, else v."""
+    if isinstance(v, Seq) and v.kind != "ordered" and len(v.items) == 1:
+        return v.items[0]
+    return v
+
+
+def _equations_equal(a: Equation, b: Equation, fa: Flags, fb: Flags) -> bool:
+    if a.lhs == b.lhs and values_equal(a.rhs, b.rhs, fa, fb):
+        return True
+    if isinstance(a.rhs, Scalar) and isinstance(b.rhs, Scalar):
+        from megatron_rl.reward.math_sympy import Unparseable, equations_proportional
+
+        try:
+            return equations_proportional(a.lhs, a.rhs.source, b.lhs, b.rhs.source)
+        except (Unparseable, TypeError, ValueError, AttributeError, ZeroDivisionError):
+            return False
+    return False
+
+
+def values_equal(a, b, fa: Flags = Flags(), fb: Flags = Flags()) -> bool:
+    """Whether parsed answers ``a`` (prediction) and ``b`` (reference) are equivalent."""
+    la, lb = _letter(a), _letter(b)
+    if isinstance(a, Choice) or isinstance(b, Choice):
+        return la is not None and la == lb
+    if isinstance(a, Text) or isinstance(b, Text):
+        ta, tb = _plain_text(a), _plain_text(b)
+        return ta is not None and tb is not None and ta.replace(" ", "") == tb.replace(" ", "")
+    if isinstance(a, Equation) and isinstance(b, Equation):
+        return _equations_equal(a, b, fa, fb)
+    if isinstance(a, Equation):
+        return values_equal(a.rhs, b, fa, fb)
+    if isinstance(b, Equation):
+        return values_equal(a, b.rhs, fa, fb)
+    a, b = _single(a), _single(b)
+    if isinstance(a, Seq) and isinstance(b, Seq):
+        return _seq_equal(a, b, fa, fb)
+    if isinstance(a, Union) and isinstance(b, Union):
+        return _multiset_equal(a.parts, b.parts, fa, fb)
+    if isinstance(a, Matrix) and isinstance(b, Matrix):
+        return len(a.rows) == len(b.rows) and all(
+            _ordered_equal(ra, rb, fa, fb) for ra, rb in zip(a.rows, b.rows))
+    if isinstance(a, Matrix) or isinstance(b, Matrix):
+        m, other = (a, b) if isinstance(a, Matrix) else (b, a)
+        entries = _matrix_entries(m)
+        if entries is None or not isinstance(other, Seq) or other.kind == "set":
+            return False
+        return _ordered_equal(entries, other.items, fa, fb) if m is a else _ordered_equal(other.items, entries, fa, fb)
+    if isinstance(a, Scalar) and isinstance(b, Scalar):
+        return scalars_equal(a, b, fa, fb)
+    return False
+
+
+def normalized_equal(pred: Normalized, ref: Normalized) -> bool:
+    """Entry point used by the workers: structure both sides, then compare."""
+    if pred.text == ref.text and pred.percent == ref.percent and pred.degrees == ref.degrees:
+        return True
+    fa, fb = Flags(pred.percent, pred.degrees), Flags(ref.percent, ref.degrees)
+    return values_equal(parse_text(pred.text), parse_text(ref.text), fa, fb)

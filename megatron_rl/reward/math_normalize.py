@@ -1,0 +1,159 @@
+"""String normalisation of a LaTeX answer before it is parsed.
+
+Removes presentation-only LaTeX (``\\left``, ``\\!``, ``\\,``, ``\\displaystyle``, ``$``), units, the
+degree sign and the percent sign (remembered as flags: their meaning is decided in comparison),
+trailing punctuation, thousands separators, and rewrites shorthands (``\\frac12``, ``\\sqrt8``, ``1e3``,
+``\\dfrac``) into forms the LaTeX parser accepts. Regexes here are linear (no nested quantifiers).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_rl.reward.math_extract import _match_brace
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """A normalised answer string and what was stripped from it."""
+
+    text: str
+    percent: bool = False  # had a % sign (or the word "percent")
+    degrees: bool = False  # had ^\circ / ° / the word "degrees"
+
+
+_UNICODE = {
+    "\u2212": "-", "\u2013": "-", "\u00d7": r"\times ", "\u22c5": r"\cdot ", "\u00b7": r"\cdot ",
+    "\u00f7": r"\div ", "\u03c0": r"\pi ", "\u221a": r"\sqrt", "\u221e": r"\infty ", "\u00b0": r"^\circ",
+    "\u2264": r"\le ", "\u2265": r"\ge ", "\u222a": r"\cup ", "\u00b1": r"\pm ", "\u2213": r"\mp ",
+    "\u2205": r"\emptyset ", "\u00a0": " ",
+}
+_SPACING = re.compile(r"\\(?:!|,|;|:| |quad(?![a-zA-Z])|qquad(?![a-zA-Z])|enspace(?![a-zA-Z])|thinspace(?![a-zA-Z])|medspace(?![a-zA-Z]))|~")
+_SIZING = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|Biggl|Biggr|big|Big|bigg|Bigg|middle)(?![a-zA-Z])\s*\.?")
+_STYLE = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits)(?![a-zA-Z])")
+_FRAC_NAMES = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
+_BINOM_NAMES = re.compile(r"\\[dt]binom(?![a-zA-Z])")
+_DEGREE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![a-zA-Z])|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])")
+_PERCENT = re.compile(r"\\%|%")
+_TEXT_CMDS = ("\\text", "\\textbf", "\\textit", "\\textrm", "\\textnormal", "\\mbox", "\\mathrm",
+              "\\mathbf", "\\mathit", "\\boldsymbol", "\\bm", "\\textsf", "\\mathsf", "\\hbox")
+_UNIT_WORDS = (
+    "square units|sq units|square feet|square inches|square meters|square centimeters|cubic feet|"
+    "cubic inches|cubic meters|cubic centimeters|units|unit|cm|mm|km|m|meters|meter|metres|metre|"
+    "centimeters|centimeter|kilometers|kilometer|millimeters|inches|inch|in|feet|foot|ft|yards|yard|"
+    "miles|mile|mph|kg|g|grams|gram|kilograms|mg|lb|lbs|pounds|pound|ounces|oz|s|sec|seconds|second|"
+    "min|minutes|minute|h|hr|hrs|hours|hour|days|day|weeks|week|months|month|years|year|dollars|dollar|"
+    "cents|cent|l|liters|liter|litres|ml|gallons|gallon|degrees|degree|deg|radians|rad|"
+    "percent|people|students|ways|items|points|times"
+)
+_TRAILING_UNIT = re.compile(r"(?<=[\d}).\s])\s*(?:" + _UNIT_WORDS + r")(?:\s*\^\s*\{?[23]\}?)?\s*$")
+_SCI = re.compile(r"(?<![a-zA-Z\d.])(\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)(?![\d.])")
+_THOUSANDS_WHOLE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_THOUSANDS_BRACED = re.compile(r"(?<=\d)\{,\}(?=\d{3})")
+_THOUSANDS_SPACE = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
+_FRAC_SHORT = [
+    (re.compile(r"\\frac\s*([0-9a-zA-Z])\s*([0-9a-zA-Z])"), r"\\frac{\1}{\2}"),
+    (re.compile(r"\\frac\s*([0-9a-zA-Z])\s*\{"), r"\\frac{\1}{"),
+    (re.compile(r"\\frac\s*(\{[^{}]*\})\s*([0-9a-zA-Z])"), r"\\frac\1{\2}"),
+    (re.compile(r"\\sqrt\s*(\d+|[a-zA-Z](?![a-zA-Z]))"), r"\\sqrt{\1}"),
+]
+_INFINITY = re.compile(r"\\infinity(?![a-zA-Z])|(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])")
+_UNIT_TAIL = re.compile(r"^\s*(?:\^\s*\{?[23]\}?)?\s*\.?\s*$")
+_UNIT_MARK = re.compile(r"\x00\s*(?:\^\s*\{?[23]\}?)?")
+_WORDY_UNIT = re.compile(r"^[A-Za-z][A-Za-z .]*(?:\^\{?[23]\}?)?$")
+
+
+def _unwrap_command(s: str, cmd: str, keep) -> str:
+    """Replace every ``cmd{arg}`` by ``keep(arg, before, after)``; brace-matched, linear."""
+    out = []
+    i = 0
+    while True:
+        j = s.find(cmd, i)
+        if j < 0:
+            out.append(s[i:])
+            return "".join(out)
+        k = j + len(cmd)
+        if k < len(s) and s[k].isalpha():  # a longer command name (\textbf vs \text)
+            out.append(s[i:k])
+            i = k
+            continue
+        while k < len(s) and s[k] == " ":
+            k += 1
+        close = _match_brace(s, k) if k < len(s) and s[k] == "{" else None
+        if close is None:
+            out.append(s[i:k])
+            i = k
+            continue
+        out.append(s[i:j])
+        out.append(keep(s[k + 1 : close], "".join(out), s[close + 1 :]))
+        i = close + 1
+
+
+def _strip_text_units(s: str) -> str:
+    """Drop a trailing ``\\text{cm}``-style unit that follows some math (``5\\text{ cm}`` -> ``5``)."""
+    for cmd in _TEXT_CMDS:
+        def keep(arg: str, before: str, after: str) -> str:
+            word = arg.strip()
+            if before.strip() and _UNIT_TAIL.match(after) and _WORDY_UNIT.match(word):
+                # a lone letter after math is more likely a variable (\mathrm{m} stays m, not dropped)
+                if len(word.replace(" ", "")) >= 2:
+                    return "\x00"
+            return cmd + "{" + arg + "}"
+        s = _unwrap_command(s, cmd, keep)
+    return _UNIT_MARK.sub(" ", s)
+
+
+def _unwrap_text(s: str) -> str:
+    for cmd in _TEXT_CMDS:
+        s = _unwrap_command(s, cmd, lambda arg, b, a: " " + arg + " ")
+    return s
+
+
+def normalize(answer: str) -> Normalized:
+    """Normalise an answer string (already extracted from its box)."""
+    s = answer
+    for k, v in _UNICODE.items():
+        if k in s:
+            s = s.replace(k, v)
+    s = s.replace("\\$", " ").replace("$", " ")
+    s = s.replace("\\(", " ").replace("\\)", " ").replace("\\[", " ").replace("\\]", " ")
+    s = _SIZING.sub("", s)
+    s = _STYLE.sub("", s)
+    s = _THOUSANDS_BRACED.sub("", s)
+    s = _SPACING.sub(" ", s)
+    s = _FRAC_NAMES.sub(r"\\frac", s)
+    s = _BINOM_NAMES.sub(r"\\binom", s)
+    degrees = False
+    if _DEGREE.search(s):
+        degrees = True
+        s = _DEGREE.sub(" ", s)
+    percent = False
+    if _PERCENT.search(s):
+        percent = True
+        s = _PERCENT.sub(" ", s)
+    s = _strip_text_units(s)
+    s = _unwrap_text(s)
+    s = re.sub(r"\s+", " ", s).strip()
+    s = s.rstrip(" .;,")  # trailing sentence punctuation
+    for _ in range(3):  # "5 square units", "3 cm^2": a unit may follow a unit-less tail
+        m = _TRAILING_UNIT.search(s)
+        if m is None or not s[: m.start()].strip():
+            break
+        word = m.group(0).strip().lower()
+        if word.startswith("degree") or word.startswith("deg"):
+            degrees = True
+        if word.startswith("percent"):
+            percent = True
+        s = s[: m.start()].rstrip(" .")
+    if s.lower().startswith("and "):
+        s = s[4:]
+    s = re.sub(r"\s+(?:and|or)\s+", ", ", s) if re.search(r"\d|\\", s) else s
+    s = _INFINITY.sub(r"\\infty", s)
+    for pat, rep in _FRAC_SHORT:
+        s = pat.sub(rep, s)
+    s = _SCI.sub(r"\1\\times 10^{\2}", s)
+    if _THOUSANDS_WHOLE.match(s):
+        s = s.replace(",", "")
+    s = _THOUSANDS_SPACE.sub(lambda m: m.group(0).replace(" ", ""), s)
+    s = re.sub(r"\s+", " ", s).strip()
+    return Normalized(s, percent=percent, degrees=degrees)

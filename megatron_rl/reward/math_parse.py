@@ -1,0 +1,238 @@
+"""Structure of a normalised answer: choice letter, text, set, tuple/interval, list, union,
+matrix, equation, or a scalar expression (parsed lazily to SymPy by math_sympy).
+
+Only the top level is split here (by bracket depth); leaves stay strings until compared, so the
+cheap cases (plain numbers, letters, words) never touch the LaTeX parser.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from megatron_rl.reward.math_normalize import Normalized
+
+_OPEN = "([{"
+_CLOSE = ")]}"
+
+
+@dataclass(frozen=True)
+class Scalar:
+    source: str  # normalised LaTeX of one expression
+    number: Fraction | None = None  # set when the source is a plain rational literal
+    decimals: int | None = None  # places after the point when the source is a decimal literal
+    sig_digits: int = 0  # significant digits of a decimal literal
+
+
+@dataclass(frozen=True)
+class Text:
+    words: str  # lower-case, single-spaced
+
+
+@dataclass(frozen=True)
+class Choice:
+    letter: str  # upper-case A-Z
+
+
+@dataclass(frozen=True)
+class Seq:
+    kind: str  # "set" (\{..\}), "ordered" (brackets), "list" (bare commas: order-free)
+    items: tuple
+    left: str = ""  # "(" or "[" for ordered
+    right: str = ""  # ")" or "]" for ordered
+
+
+@dataclass(frozen=True)
+class Union:
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class Matrix:
+    rows: tuple  # tuple of tuples of values
+
+
+@dataclass(frozen=True)
+class Equation:
+    lhs: str
+    rhs: object  # a value
+
+
+_NUMBER = re.compile(r"^([+-]?)(\d+)(?:\.(\d*))?$|^([+-]?)\.(\d+)$")
+_SIMPLE_FRAC = re.compile(r"^([+-]?)\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}$|^([+-]?\d+)\s*/\s*([+-]?\d+)$")
+_CHOICE = re.compile(r"^\(\s*([A-Za-z])\s*\)(?:\s.*)?$|^([A-Z])[.):]?$|^\\?(?:text)?\{?\(?([A-Z])\)?\}?$")
+_WORDS = re.compile(r"^[A-Za-z][A-Za-z' \-]*[A-Za-z]$")
+_MATH_WORDS = {
+    "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "pi", "sqrt", "infty", "arcsin",
+    "arccos", "arctan", "sinh", "cosh", "tanh", "det", "max", "min", "gcd", "lcm", "mod", "frac",
+}
+_MATRIX = re.compile(r"^\\begin\{([pbvBV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}$", re.S)
+
+
+def _number(s: str) -> Scalar | None:
+    m = _NUMBER.match(s)
+    if m:
+        if m.group(2) is not None:
+            sign, whole, frac = m.group(1), m.group(2), m.group(3)
+        else:
+            sign, whole, frac = m.group(4), "0", m.group(5)
+        if len(whole) + len(frac or "") > 4000:
+            return None  # leave absurd literals to the (time-limited) general path
+        value = Fraction(int(whole + (frac or "")), 10 ** len(frac or ""))
+        value = -value if sign == "-" else value
+        if frac is None:
+            return Scalar(s, value)
+        digits = (whole + frac).lstrip("0")
+        return Scalar(s, value, decimals=len(frac), sig_digits=len(digits))
+    m = _SIMPLE_FRAC.match(s)
+    if m:
+        if m.group(2) is not None:
+            sign, num, den = m.group(1), int(m.group(2)), int(m.group(3))
+        else:
+            sign, num, den = "", int(m.group(4)), int(m.group(5))
+        if den == 0 or max(abs(num), abs(den)) > 10**4000:
+            return None
+        value = Fraction(num, den)
+        return Scalar(s, -value if sign == "-" else value)
+    return None
+
+
+def split_top(s: str, sep: str) -> list[str]:
+    """Split on ``sep`` where it is outside every bracket (``\\{`` counts as a bracket)."""
+    parts, depth, start, i, n, k = [], 0, 0, 0, len(s), len(sep)
+    while i < n:
+        ch = s[i]
+        if ch == "\\" and i + 1 < n and s[i + 1] in "{}":
+            depth += 1 if s[i + 1] == "{" else -1
+            i += 2
+            continue
+        if s.startswith("\\begin{", i):
+            depth += 1
+        elif s.startswith("\\end{", i):
+            depth -= 1
+        if ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            i += k
+            start = i
+            continue
+        i += 1
+    parts.append(s[start:])
+    return parts
+
+
+def _outer_bracket(s: str) -> tuple[str, str, str] | None:
+    """(left, inner, right) when s is one bracketed group spanning the whole string."""
+    if len(s) < 2 or s[0] not in "([" or s[-1] not in ")]":
+        return None
+    depth = 0
+    for i, ch in enumerate(s):
+        if ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth -= 1
+            if depth == 0 and i != len(s) - 1:
+                return None
+    return s[0], s[1:-1], s[-1]
+
+
+def _set_body(s: str) -> str | None:
+    if s.startswith("\\{") and s.endswith("\\}"):
+        inner = s[2:-2]
+        # "\{1\} \cup \{2\}" is not one set: the first \} must be the last one at depth 0
+        if len(split_top(inner, "\\}")) == 1:
+            return inner
+    return None
+
+
+def _is_words(s: str) -> bool:
+    if not _WORDS.match(s):
+        return False
+    words = s.lower().replace("-", " ").split()
+    return any(len(w) >= 3 and w not in _MATH_WORDS for w in words) or words == ["no"]
+
+
+def _expand_pm(s: str) -> Seq | None:
+    for op in ("\\pm", "\\mp"):
+        i = s.find(op)
+        if i >= 0 and not s[i + len(op) : i + len(op) + 1].isalpha():
+            head, tail = s[:i], s[i + len(op) :]
+            first, second = ("+", "-") if op == "\\pm" else ("-", "+")
+            return Seq("list", (parse_text(head + first + tail), parse_text(head + second + tail)))
+    return None
+
+
+def parse_text(s: str) -> object:
+    """Structure of a normalised answer string (see module doc)."""
+    s = s.strip()
+    if s in ("\\emptyset", "\\varnothing", "\\{\\}", "\\{ \\}", "{}"):
+        return Seq("set", ())
+    num = _number(s)
+    if num is not None:
+        return num
+    m = _CHOICE.match(s)
+    if m:
+        return Choice((m.group(1) or m.group(2) or m.group(3)).upper())
+    if _is_words(s):
+        return Text(" ".join(s.lower().split()))
+    pm = _expand_pm(s)
+    if pm is not None:
+        return pm
+    parts = split_top(s, "\\cup")
+    if len(parts) > 1:
+        return Union(tuple(parse_text(p) for p in parts))
+    commas = split_top(s, ",")
+    if len(commas) > 1:
+        items = [c.strip() for c in commas if c.strip()]
+        if "=" in items[0] and not all(_top_eq(c) for c in items):
+            lhs, _, rhs = items[0].partition("=")
+            rest = ", ".join([rhs] + items[1:])
+            return Equation(_lhs_key(lhs), parse_text(rest))
+        return Seq("list", tuple(parse_text(c) for c in items))
+    eq = _top_eq(s)
+    if eq is not None:
+        lhs, rhs = eq
+        return Equation(_lhs_key(lhs), parse_text(rhs))
+    body = _set_body(s)
+    if body is not None:
+        items = [c.strip() for c in split_top(body, ",") if c.strip()]
+        return Seq("set", tuple(parse_text(c) for c in items))
+    br = _outer_bracket(s) or _angle(s)
+    if br is not None:
+        left, inner, right = br
+        items = split_top(inner, ",")
+        if len(items) > 1:
+            return Seq("ordered", tuple(parse_text(c) for c in items), left, right)
+        if left == "(" and right == ")":
+            return parse_text(inner)
+    m = _MATRIX.match(s)
+    if m:
+        rows = [r for r in split_top(m.group(2), "\\\\") if r.strip()]
+        return Matrix(tuple(tuple(parse_text(c) for c in split_top(r, "&")) for r in rows))
+    return Scalar(s)
+
+
+def _angle(s: str) -> tuple[str, str, str] | None:
+    if s.startswith("\\langle") and s.endswith("\\rangle"):
+        return "(", s[len("\\langle") : -len("\\rangle")], ")"
+    return None
+
+
+def _top_eq(s: str) -> tuple[str, str] | None:
+    """(lhs, rhs) for a top-level ``=`` (``\\in`` too); chains a=b=c keep the last side."""
+    for sep in ("=", "\\in "):
+        parts = split_top(s, sep)
+        if len(parts) > 1 and all(p.strip() for p in parts):
+            return parts[0].strip(), parts[-1].strip()
+    return None
+
+
+def _lhs_key(lhs: str) -> str:
+    return "".join(lhs.split())
+
+
+def parse_answer(norm: Normalized) -> object:
+    return parse_text(norm.text)

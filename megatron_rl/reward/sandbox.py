@@ -198,7 +198,7 @@ _probe_cache: dict[tuple, tuple[bool, str]] = {}
 def available(jail: Jail | None = None) -> tuple[bool, str]:
     """(True, "") when the jail can run here; else (False, reason). Cached per process and jail."""
     jail = jail or Jail()
-    key = (os.getpid(), jail.uid(), jail.ro_paths)
+    key = (os.getpid(), jail.uid(), jail.ro_paths, shutil.which("bwrap"))
     with _probe_lock:
         if key in _probe_cache:
             return _probe_cache[key]

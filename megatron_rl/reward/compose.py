@@ -38,12 +38,12 @@ def _grade_math(task: MathTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[b
 def code_limits(cfg: RewardConfig, run_tests) -> dict[str, Any]:
     """Keyword limits for run_tests taken from RewardConfig, under the names run_tests accepts."""
     params = inspect.signature(run_tests).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     limits = {}
     for field_name, names in _CODE_LIMITS.items():
-        for name in names:
-            if name in params:
-                limits[name] = getattr(cfg, field_name)
-                break
+        name = next((n for n in names if n in params), names[0] if takes_any else None)
+        if name is not None:
+            limits[name] = getattr(cfg, field_name)
     return limits
 
 

@@ -55,7 +55,9 @@ def _get_pool() -> WorkerPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            import megatron_rl.reward.math_sympy  # noqa: F401  (warm SymPy before the first fork)
+            from megatron_rl.reward.math_sympy import warm_up
+
+            warm_up()  # import SymPy and build the LaTeX parser once, before the first fork
 
             workers = int(os.environ.get("MEGATRON_RL_MATH_WORKERS", "2"))
             _pool = WorkerPool(_compare_worker, max_workers=max(1, workers))

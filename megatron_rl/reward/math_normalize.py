@@ -28,7 +28,7 @@ _UNICODE = {
     "\u2264": r"\le ", "\u2265": r"\ge ", "\u222a": r"\cup ", "\u00b1": r"\pm ", "\u2213": r"\mp ",
     "\u2205": r"\emptyset ", "\u00a0": " ",
 }
-_SPACING = re.compile(r"\\(?:!|,|;|:| |quad(?![a-zA-Z])|qquad(?![a-zA-Z])|enspace(?![a-zA-Z])|thinspace(?![a-zA-Z])|medspace(?![a-zA-Z]))|~")
+_SPACING = re.compile(r"(?<!\\)\\(?:!|,|;|:| |quad(?![a-zA-Z])|qquad(?![a-zA-Z])|enspace(?![a-zA-Z])|thinspace(?![a-zA-Z])|medspace(?![a-zA-Z]))|~")
 _SIZING = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|Biggl|Biggr|big|Big|bigg|Bigg|middle)(?![a-zA-Z])\s*\.?")
 _STYLE = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits)(?![a-zA-Z])")
 _FRAC_NAMES = re.compile(r"\\[dtc]frac(?![a-zA-Z])")

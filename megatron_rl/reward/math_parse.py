@@ -106,9 +106,9 @@ def split_top(s: str, sep: str) -> list[str]:
             depth += 1 if s[i + 1] == "{" else -1
             i += 2
             continue
-        if s.startswith("\\begin{", i):
+        if s.startswith("\\begin{", i) or s.startswith("\\langle", i):
             depth += 1
-        elif s.startswith("\\end{", i):
+        elif s.startswith("\\end{", i) or s.startswith("\\rangle", i):
             depth -= 1
         if ch in _OPEN:
             depth += 1

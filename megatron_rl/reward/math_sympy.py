@@ -43,6 +43,11 @@ def to_sympy(source: str) -> sympy.Basic:
     return expr
 
 
+def warm_up() -> None:
+    """Build the parser's tables now, so that forked workers start with them."""
+    sympy.N(to_sympy("\\frac{1}{2}+x").subs("x", 1))
+
+
 def scalar_expr(x: Scalar) -> sympy.Basic:
     if x.number is not None:
         return sympy.Rational(x.number.numerator, x.number.denominator)

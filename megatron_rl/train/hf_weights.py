@@ -205,8 +205,12 @@ def _to_hf(kind: str, layer: int | None, full: torch.Tensor, d: ModelDims) -> li
 
 
 @torch.no_grad()
-def export_hf_tensors(model_chunks: list, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for this stage's parameters, TP-gathered, padding removed."""
+def export_hf_tensors(model_chunks: list, dtype: torch.dtype | None = None,
+                      grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this stage's parameters, TP-gathered, padding removed.
+
+    `grads=True` exports the parameters' `.grad` (or DDP `main_grad`) in the same layout instead
+    (zeros where a parameter has none), for gradient checks against HF."""
     tp, _ = _tp()
     for chunk in model_chunks:
         dims: ModelDims = chunk.mrl_dims
@@ -215,7 +219,12 @@ def export_hf_tensors(model_chunks: list, dtype: torch.dtype | None = None) -> I
             kind, dim, layer = _classify(name, offset)
             if kind == "output" and dims.tie_embeddings:
                 continue  # the last stage's copy of the tied embedding: the first stage exports it
-            full = _gather(kind, dim, param.detach(), tp)
+            local = param.detach()
+            if grads:
+                g = getattr(param, "main_grad", None)
+                g = param.grad if g is None else g
+                local = torch.zeros_like(local) if g is None else g.detach()
+            full = _gather(kind, dim, local, tp)
             for hf_name, tensor in _to_hf(kind, layer, full, dims):
                 tensor = tensor.contiguous()
                 yield hf_name, tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,66 @@
+"""HF models and references for the Megatron model tests (train/model, hf_weights, logprobs)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def make_tiny_hf(out: Path, family: str = "llama", layers: int = 2, hidden: int = 48, heads: int = 6,
+                 kv_heads: int = 3, intermediate: int = 97, vocab: int = 301, tie: bool = False,
+                 rope_parameters: dict | None = None, seed: int = 0, sliding_window: int | None = None) -> Path:
+    """Random tiny HF model (config + safetensors, no tokenizer). Odd sizes exercise TP padding."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    cfg_cls, model_cls = classes[family]
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-5)
+    if rope_parameters:
+        kwargs["rope_parameters"] = rope_parameters
+    if family == "mistral":
+        kwargs["sliding_window"] = sliding_window
+    cfg = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise so their mapping is tested
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def smollm2_fp32_dir(root: Path) -> Path:
+    """SmolLM2-135M dequantised from the GGUF (through megatron_rl's hf_source) into an fp32 HF dir,
+    made once per pytest session so multi-process workers load safetensors instead of the GGUF."""
+    from megatron_rl.train.hf_source import resolve_model
+
+    out = Path(root) / "smollm2_fp32"
+    if (out / "config.json").is_file():
+        return out
+    from safetensors.torch import save_file
+
+    tmp = Path(root) / f"smollm2_fp32.tmp{os.getpid()}"
+    model = resolve_model("smollm2-135m").hf_model(torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in skip},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.replace(tmp, out)
+    return out
+
+
+def hf_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference: log_softmax over the full vocab of HF logits, gathered at the next tokens."""
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)

@@ -20,7 +20,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "train": Command("run the asynchronous RL loop from a YAML config", issue=8),
-    "sft": Command("supervised cold start on reasoning traces (trainer only)", issue=5),
+    "sft": Command("supervised cold start on reasoning traces (trainer only)", module="sft"),
     "reward": Command("grade one response for a task and print the reward breakdown as JSON", module="reward"),
     "convert": Command("convert checkpoints between Hugging Face and Megatron formats", issue=9),
     "filter": Command("difficulty and format filtering of problem sets", issue=9),

@@ -19,13 +19,13 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("run the asynchronous RL loop from a YAML config", issue=8),
+    "train": Command("run the asynchronous RL loop from a YAML config", module="train"),
     "sft": Command("supervised cold start on reasoning traces (trainer only)", module="sft"),
     "reward": Command("grade one response for a task and print the reward breakdown as JSON", module="reward"),
     "convert": Command("convert checkpoints between Hugging Face and Megatron formats", issue=9),
     "filter": Command("difficulty and format filtering of problem sets", issue=9),
     "evaluate": Command("pass@1 / pass@k evaluation on problem sets", issue=9),
-    "plot": Command("plot the metrics of a run directory to PNG", issue=8),
+    "plot": Command("plot the metrics of a run directory to PNG", module="plot"),
     "simulate": Command("discrete-event simulation of the async pipeline at scale", issue=8),
     "config": Command("print the resolved config (defaults, YAML file and overrides)", module="config_cmd"),
     "doctor": Command("report the environment: versions, devices, CPU shims, sandbox", module="doctor"),

@@ -73,8 +73,9 @@ class RewardConfig:
     code_max_tests: int = 20
     code_memory_mb: int = 1024
     code_max_output_bytes: int = 1 << 20
-    verifier_workers: int = 2
+    verifier_workers: int = 2  # grading processes per verifier pool
     verifier_item_timeout_s: float = 60.0
+    verifier_ranks: int = 0  # MPI ranks dedicated to grading (0: a pool inside the controller rank)
 
     def validate(self, key: str) -> None:
         _check(self.l_max > 0, f"{key}.l_max", "must be > 0")
@@ -87,6 +88,7 @@ class RewardConfig:
         _check(1 <= self.code_max_tests, f"{key}.code_max_tests", "must be >= 1")
         _check(self.code_memory_mb >= 16, f"{key}.code_memory_mb", "must be >= 16")
         _check(self.verifier_workers >= 1, f"{key}.verifier_workers", "must be >= 1")
+        _check(self.verifier_ranks >= 0, f"{key}.verifier_ranks", "must be >= 0")
 
 
 @dataclass
@@ -103,6 +105,9 @@ class RolloutConfig:
     # Bound on (trainer version - oldest token version); older rollouts are handled by stale_policy.
     max_staleness: int = 4
     stale_policy: Literal["drop", "reweight"] = "drop"
+    # Max generation length by stage, "UPDATE:TOKENS" (e.g. ["0:2048", "100:4096"]); empty means
+    # max_new_tokens throughout. The overlong penalty uses reward.l_max / l_cache as configured.
+    length_schedule: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
         _check(self.group_size >= 2, f"{key}.group_size", "must be >= 2 (advantages are group-centred)")
@@ -115,6 +120,10 @@ class RolloutConfig:
         _check(self.temperature > 0, f"{key}.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, f"{key}.top_p", "must lie in (0, 1]")
         _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
+        for i, entry in enumerate(self.length_schedule):
+            parts = entry.split(":")
+            _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts) and int(parts[1]) > 0,
+                   f"{key}.length_schedule[{i}]", f"expected UPDATE:TOKENS, got {entry!r}")
 
 
 @dataclass

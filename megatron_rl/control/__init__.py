@@ -1,0 +1,1 @@
+"""The MPI controller and the asynchronous training loop (`megatron-rl train`)."""

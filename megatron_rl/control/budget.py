@@ -1,0 +1,191 @@
+"""The asynchronous rollout budget: what is in flight, which groups are complete, what to train on.
+
+Pure bookkeeping (no MPI, no I/O) so every rule is unit-tested:
+- keep `n_async` sequences in flight (groups of G samples of one problem are issued together);
+- a group is complete when all G samples are graded; it gets group-centred advantages, or is
+  dropped when its rewards are all equal (non-diverse) and its problem is counted as such;
+- `take_batch` hands the trainer exactly `n_batch` sequences once that many are ready, after applying
+  the staleness bound (groups whose oldest token is more than `max_staleness` versions behind the
+  trainer are dropped and their problem re-queued, or kept for importance re-weighting);
+- everything needed to resume (pending problems, partial groups, ready sequences) is exported by
+  `state_dict` so a restart loses and duplicates nothing.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_rl.algo.advantages import filter_non_diverse, group_advantages
+from megatron_rl.algo.passk import pass_at_k_advantages
+from megatron_rl.config import AlgoConfig, RolloutConfig
+from megatron_rl.records import Batch, Problem, Rollout, TrainSequence
+
+
+@dataclass
+class SampleRequest:
+    """One completion to generate: what the controller sends to a generator."""
+
+    group_id: str
+    sample_index: int
+    problem_id: str
+
+
+@dataclass
+class PendingGroup:
+    group_id: str
+    problem: Problem
+    rollouts: dict[int, Rollout] = field(default_factory=dict)  # graded samples by index
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "problem": asdict(self.problem),
+                "rollouts": {str(k): r.to_dict() for k, r in self.rollouts.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PendingGroup":
+        return cls(d["group_id"], Problem(**d["problem"]),
+                   {int(k): Rollout.from_dict(r) for k, r in d["rollouts"].items()})
+
+
+@dataclass
+class ReadySequence:
+    """A graded sample of a diverse group, with its group-centred advantage, waiting for a batch."""
+
+    rollout: Rollout
+    advantage: float
+    group_id: str
+
+    def to_train_sequence(self) -> TrainSequence:
+        r = self.rollout
+        return TrainSequence(token_ids=list(r.prompt_ids) + list(r.completion_ids), prompt_len=len(r.prompt_ids),
+                             behaviour_logprobs=list(r.behaviour_logprobs), advantage=self.advantage,
+                             weight_versions=list(r.weight_versions))
+
+
+@dataclass
+class BudgetCounters:
+    groups_started: int = 0
+    groups_completed: int = 0
+    groups_dropped_non_diverse: int = 0
+    groups_dropped_stale: int = 0
+    sequences_trained: int = 0
+    batches: int = 0
+
+
+class RolloutBudget:
+    def __init__(self, rollout: RolloutConfig, algo: AlgoConfig):
+        self.cfg, self.algo = rollout, algo
+        self.groups: dict[str, PendingGroup] = {}  # issued, not yet complete
+        self.ready: deque[ReadySequence] = deque()
+        self.requeue: deque[Problem] = deque()  # problems to sample again (stale drops, restarts)
+        self.counters = BudgetCounters()
+        self._problems: dict[str, Problem] = {}  # problem of every group with ready sequences
+        self._group_serial = 0
+
+    # ------------------------------------------------------------------ issuing
+    @property
+    def in_flight(self) -> int:
+        """Sequences issued and not yet graded."""
+        return sum(self.cfg.group_size - len(g.rollouts) for g in self.groups.values())
+
+    def free_group_slots(self) -> int:
+        """How many new groups fit in the n_async budget right now."""
+        return max(0, (self.cfg.n_async - self.in_flight) // self.cfg.group_size)
+
+    def start_group(self, problem: Problem) -> list[SampleRequest]:
+        self._group_serial += 1
+        group_id = f"{problem.problem_id}#{self._group_serial}"
+        self.groups[group_id] = PendingGroup(group_id, problem)
+        self.counters.groups_started += 1
+        return [SampleRequest(group_id, i, problem.problem_id) for i in range(self.cfg.group_size)]
+
+    def outstanding_requests(self) -> list[SampleRequest]:
+        """Every sample issued but not graded (what to re-issue after a generator restart)."""
+        return [SampleRequest(g.group_id, i, g.problem.problem_id)
+                for g in self.groups.values() for i in range(self.cfg.group_size) if i not in g.rollouts]
+
+    # ------------------------------------------------------------------ results
+    def add_graded(self, rollout: Rollout) -> str | None:
+        """Record a graded sample (Rollout.problem_id carries the group id). Returns the group's fate
+        once complete: "kept", "non_diverse"; None while samples are missing. Duplicates are ignored."""
+        group = self.groups.get(rollout.problem_id)
+        if group is None or rollout.sample_index in group.rollouts:
+            return None  # late duplicate of a re-issued sample, or an unknown group
+        if rollout.reward is None:
+            raise ValueError(f"rollout {rollout.problem_id}/{rollout.sample_index} has no reward")
+        group.rollouts[rollout.sample_index] = rollout
+        if len(group.rollouts) < self.cfg.group_size:
+            return None
+        del self.groups[group.group_id]
+        self.counters.groups_completed += 1
+        samples = [group.rollouts[i] for i in range(self.cfg.group_size)]
+        rewards = torch.tensor([[s.reward for s in samples]], dtype=torch.float64)
+        if self.algo.drop_non_diverse_groups and not bool(filter_non_diverse(rewards).keep[0]):
+            self.counters.groups_dropped_non_diverse += 1
+            return "non_diverse"
+        if self.algo.pass_at_k:
+            adv = pass_at_k_advantages(rewards, min(self.algo.pass_at_k, self.cfg.group_size))[0]
+        else:
+            adv = group_advantages(rewards, std=self.algo.group_std)[0]
+        self.ready.extend(ReadySequence(s, float(a), group.group_id) for s, a in zip(samples, adv.tolist()))
+        self._problems[group.group_id] = group.problem
+        return "kept"
+
+    # ------------------------------------------------------------------ batching
+    def take_batch(self, trainer_version: int) -> Batch | None:
+        """n_batch ready sequences as a Batch, oldest first; None while fewer are ready."""
+        self._drop_stale_groups(trainer_version)
+        if len(self.ready) < self.cfg.n_batch:
+            return None
+        chosen = [self.ready.popleft() for _ in range(self.cfg.n_batch)]
+        waiting = {r.group_id for r in self.ready}
+        for group_id in {c.group_id for c in chosen} - waiting:
+            self._problems.pop(group_id, None)
+        self.counters.sequences_trained += len(chosen)
+        self.counters.batches += 1
+        return Batch([c.to_train_sequence() for c in chosen], n_mini=self.cfg.n_mini,
+                     policy_version=trainer_version)
+
+    def _drop_stale_groups(self, trainer_version: int) -> None:
+        """stale_policy=drop: remove groups whose oldest token is too many versions behind. A group
+        none of whose samples was trained yet is re-queued, so its problem is sampled again fresh."""
+        if self.cfg.stale_policy != "drop":
+            return
+        stale = {r.group_id for r in self.ready
+                 if trainer_version - r.rollout.oldest_version > self.cfg.max_staleness}
+        if not stale:
+            return
+        remaining: dict[str, int] = {}
+        for r in self.ready:
+            if r.group_id in stale:
+                remaining[r.group_id] = remaining.get(r.group_id, 0) + 1
+        self.ready = deque(r for r in self.ready if r.group_id not in stale)
+        self.counters.groups_dropped_stale += len(stale)
+        for group_id, count in remaining.items():
+            problem = self._problems.pop(group_id)
+            if count == self.cfg.group_size:
+                self.requeue.append(problem)
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "groups": [g.to_dict() for g in self.groups.values()],
+            "ready": [{"rollout": r.rollout.to_dict(), "advantage": r.advantage, "group_id": r.group_id}
+                      for r in self.ready],
+            "requeue": [asdict(p) for p in self.requeue],
+            "problems": {k: asdict(p) for k, p in self._problems.items()},
+            "counters": asdict(self.counters),
+            "group_serial": self._group_serial,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.groups = {g["group_id"]: PendingGroup.from_dict(g) for g in state["groups"]}
+        self.ready = deque(ReadySequence(Rollout.from_dict(r["rollout"]), r["advantage"], r["group_id"])
+                           for r in state["ready"])
+        self.requeue = deque(Problem(**p) for p in state["requeue"])
+        self._problems = {k: Problem(**p) for k, p in state["problems"].items()}
+        self.counters = BudgetCounters(**state["counters"])
+        self._group_serial = state["group_serial"]
+

@@ -1,0 +1,46 @@
+"""`megatron-rl plot RUN_DIR`: curves of a run's metrics.jsonl as a PNG."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
+
+PANELS = (
+    ("reward", ("reward/mean", "reward/format_ok", "reward/correct")),
+    ("pass rate", ("pass_rate",)),
+    ("completion length", ("length/mean",)),
+    ("loss / clip", ("train/loss", "train/clip_frac_low", "train/clip_frac_high")),
+    ("staleness", ("staleness/mean", "staleness/max")),
+    ("idle fraction", ("generator_idle_frac", "trainer_idle_frac")),
+)
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_jsonl(run_dir / METRICS_FILE)
+    if not rows:
+        raise FileNotFoundError(f"no metrics in {run_dir / METRICS_FILE}")
+    x = [r.get("update", i) for i, r in enumerate(rows)]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            ys = [r.get(key) for r in rows]
+            pts = [(a, b) for a, b in zip(x, ys) if b is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=key)
+        ax.set_title(title)
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "curves.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

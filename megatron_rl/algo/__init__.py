@@ -1,7 +1,21 @@
-"""Pure tensor math of the RL recipe (imports only torch): advantages, loss, KL, pass@k.
+"""Pure tensor math of the RL recipe (imports only torch and the standard library).
 
-- `advantages`: group centring, the non-diverse-group filter, minibatch normalisation.
-- `loss`: the token-normalised clipped surrogate (reference for the fused op in `megatron_rl.ops`).
-- `kl`: optional KL penalties whose gradient is the true gradient of KL(pi_theta || pi_ref).
+- `advantages`: group centring (`group_advantages`), the non-diverse-group filter, minibatch
+  normalisation (`normalize`, token- or sequence-weighted), `compute_group_advantages(rewards, cfg)`.
+- `loss`: the token-normalised clipped surrogate `clipped_token_loss` (the reference the fused op in
+  `megatron_rl.ops` is checked against), per-token terms and clip/ratio statistics.
+- `loss_lean`: same value and gradient, closed-form backward, one saved tensor.
+- `kl`: optional KL whose gradient is the true grad KL(pi_theta || pi_ref) (k2 at the sequence level,
+  or KL in the reward); its docstring explains why differentiating k1/k3 estimates is wrong.
 - `passk`: unbiased advantage estimator for pass@k / max@k training.
+
+Trainer usage for one optimizer minibatch split into micro-batches and data-parallel ranks:
+
+    adv = normalize(minibatch_adv, minibatch_mask, mode=cfg.adv_norm, weighting=cfg.adv_norm_weighting)
+    n_tok = total unmasked tokens of the minibatch, summed over micro-batches AND DP ranks
+    for micro in my_micro_batches:
+        loss, stats = clipped_token_loss_with_stats(logp, behav, adv_micro, mask_micro,
+                                                    cfg.eps_low, cfg.eps_high, normalizer=n_tok)
+        loss.backward()      # grads accumulate; DP all-reduce with SUM (not mean) afterwards
+The summed micro-batch losses / gradients then equal the full-minibatch ones exactly.
 """

@@ -145,3 +145,34 @@ def normalize(adv: Tensor, mask: Tensor | None = None, *, mode: NormMode = "mini
     if out.dim() == 2:
         out = torch.where(weights > 0, out, 0.0)
     return out
+
+
+@dataclass
+class GroupAdvantages:
+    """Advantages of the groups that carry signal, in the order of the kept groups."""
+
+    advantages: Tensor  # [n_kept, G]
+    keep: Tensor  # bool [n_groups]: which input groups they come from
+    n_dropped: int  # non-diverse groups removed (log it)
+
+
+def compute_group_advantages(rewards: Tensor, cfg) -> GroupAdvantages:
+    """Rewards `[n_groups, G]` -> advantages per the AlgoConfig-like `cfg` (duck-typed so `algo/`
+    imports nothing but torch): `pass_at_k` selects the pass@k estimator, else r - group mean
+    (divided by the group std if `group_std`); `drop_non_diverse_groups` filters constant groups.
+    Minibatch normalisation (`normalize`, with cfg.adv_norm / cfg.adv_norm_weighting) comes later,
+    per optimizer minibatch.
+    """
+    from .passk import pass_at_k_advantages
+
+    if cfg.drop_non_diverse_groups:
+        filt = filter_non_diverse(rewards)
+    else:
+        filt = GroupFilter(keep=torch.ones(rewards.shape[0], dtype=torch.bool, device=rewards.device),
+                           n_dropped=0)
+    kept = rewards[filt.keep]
+    if cfg.pass_at_k is not None:
+        adv = pass_at_k_advantages(kept, cfg.pass_at_k)
+    else:
+        adv = group_advantages(kept, std=cfg.group_std)
+    return GroupAdvantages(advantages=adv, keep=filt.keep, n_dropped=filt.n_dropped)

@@ -103,3 +103,37 @@ def test_group_mode_standardises_within_each_group_and_none_is_identity():
         normalize(adv, mode="batch")
     with pytest.raises(ValueError, match="weighting"):
         normalize(adv, weighting="char")
+
+
+def test_compute_group_advantages_follows_the_config():
+    from megatron_rl.algo.advantages import compute_group_advantages
+    from megatron_rl.algo.passk import pass_at_k_advantages
+    from megatron_rl.config import AlgoConfig
+
+    r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.1, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    out = compute_group_advantages(r, AlgoConfig())
+    assert out.n_dropped == 2 and out.keep.tolist() == [False, True, False, True]
+    torch.testing.assert_close(out.advantages, group_advantages(r[[1, 3]]))
+    out = compute_group_advantages(r, AlgoConfig(drop_non_diverse_groups=False, group_std=True))
+    torch.testing.assert_close(out.advantages, group_advantages(r, std=True))
+    out = compute_group_advantages(r, AlgoConfig(pass_at_k=2))
+    torch.testing.assert_close(out.advantages, pass_at_k_advantages(r[[1, 3]], 2))
+
+
+def test_algo_imports_only_torch_and_the_standard_library():
+    import ast
+    import sys
+    from pathlib import Path
+
+    import megatron_rl.algo as algo
+
+    for path in Path(algo.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [] if node.level else [node.module.split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                assert root == "torch" or root in sys.stdlib_module_names, f"{path.name} imports {root}"

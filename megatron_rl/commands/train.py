@@ -1,0 +1,57 @@
+"""`megatron-rl train CONFIG [key=value ...] [--resume]`: the asynchronous RL loop.
+
+Outside an MPI job this starts itself under `mpiexec -n N` (N from the config's rank layout: one
+controller, tp x pp x dp trainers, the generators and the verifier ranks); under mpiexec or srun
+it runs directly as one rank of the job.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config (e.g. examples/cpu_demo.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.updates=10")
+    parser.add_argument("--resume", action="store_true", help="continue the run in run.output_dir")
+
+
+def _inside_mpi_job() -> bool:
+    return any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def _mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("mpiexec not found (./dev setup installs the mpich wheel)")
+    return found
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.control.layout import RankLayout
+
+    rank_args = [args.config, *args.overrides] + (["--resume"] if args.resume else [])
+    if _inside_mpi_job():
+        from megatron_rl.control.main import main as rank_main
+
+        return rank_main(rank_args)
+    try:
+        layout = RankLayout.from_config(load_config(args.config, args.overrides))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 1
+    cmd = [_mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "megatron_rl.control.main", *rank_args]
+    print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # mpiexec forwards the signal; wait for the checkpoint
+        return proc.wait()

@@ -1,0 +1,136 @@
+"""Entry point of every MPI rank of a training run: `mpiexec -n N python -m megatron_rl.control.main CONFIG`.
+
+Rank 0 prepares the run (directory, model files for the generators, the trainers' rendezvous) and
+broadcasts it; every rank then takes its role from `RankLayout`. `megatron-rl train` starts this
+under mpiexec by itself when it is not already running inside an MPI job.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from megatron_rl.config import Config, ConfigError, dump_config, load_config
+from megatron_rl.control.layout import RankLayout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron_rl.control.main")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--resume", action="store_true")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_run(cfg: Config, layout: RankLayout, resume: bool) -> dict:
+    """Rank 0: run directory, resolved config, model files for SGLang, ports. Raises on bad input."""
+    from megatron_rl.control.model_files import generator_model_dir
+
+    run_dir = Path(cfg.run.output_dir)
+    ckpt_root = run_dir / "checkpoints"
+    has_ckpt = (ckpt_root / "latest").exists()
+    if resume and not has_ckpt:
+        raise ConfigError(f"--resume: no checkpoint under {ckpt_root}")
+    if not resume and has_ckpt:
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another "
+                          f"run.output_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    model_dir = generator_model_dir(cfg.trainer.model, cfg.trainer.precision)
+    ports = [cfg.generator.port_base + i for i in range(layout.generators)]
+    return {"run_dir": str(run_dir), "model_dir": str(model_dir), "master_port": _free_port(),
+            "generator_ports": ports, "resume_root": str(ckpt_root) if resume else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    args = parse_args(argv)
+    setup = None
+    try:
+        cfg = load_config(args.config, args.overrides)
+        layout = RankLayout.from_config(cfg)
+        layout.check_world(comm.Get_size())
+        if rank == 0:
+            setup = prepare_run(cfg, layout, args.resume)
+    except (ConfigError, RuntimeError, FileNotFoundError, ValueError) as e:
+        if rank == 0:
+            print(f"megatron-rl train: {e}", file=sys.stderr)
+        setup = {"error": str(e)}
+    setup = comm.bcast(setup, root=0)
+    if "error" in setup:
+        return 1
+    role = layout.role(rank)
+    if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run_dir = Path(setup["run_dir"])
+    if role == "controller":
+        return _run_controller(comm, cfg, layout, run_dir, setup)
+    if role == "trainer":
+        from megatron_rl.control.trainer_worker import trainer_loop
+
+        trainer_loop(comm, cfg, layout.trainer_ranks.index(rank), layout.trainers, setup["master_port"],
+                     setup["resume_root"])
+    elif role == "generator":
+        from megatron_rl.control.generator_worker import generator_loop
+
+        index = layout.generator_ranks.index(rank)
+        generator_loop(comm, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index])
+    else:
+        from megatron_rl.control.grading import verifier_loop
+
+        verifier_loop(comm, cfg.reward)
+    return 0
+
+
+def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:
+    from megatron_rl.control.controller import Controller, RunFailed, write_summary
+    from megatron_rl.data import iter_problems
+    from megatron_rl.train.hf_source import resolve_model
+
+    controller = None
+    code = 0
+    try:
+        problems = list(iter_problems(cfg.data))
+        tokenizer = resolve_model(cfg.trainer.model).tokenizer()
+        controller = Controller(comm, cfg, layout, run_dir, problems, tokenizer)
+        controller.install_signal_handlers()
+        controller.wait_for_generators(cfg.generator.startup_timeout_s + 60)
+        if setup["resume_root"]:
+            controller.resume(Path(setup["resume_root"]))
+        summary = controller.run()
+        write_summary(run_dir, summary)
+        print(json.dumps(summary), flush=True)
+        if summary["stopped_early"]:
+            print(f"stopped early and checkpointed; continue with --resume (run dir {run_dir})", file=sys.stderr)
+    except RunFailed as e:
+        print(f"megatron-rl train: run failed: {e}", file=sys.stderr)
+        code = 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:
+        if controller is not None:
+            controller.shutdown()
+        else:
+            for r in range(1, layout.world_size):
+                comm.send(None, dest=r, tag=18)  # Tag.STOP
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,9 @@ Trainer usage for one optimizer minibatch split into micro-batches and data-para
     for micro in my_micro_batches:
         loss, stats = clipped_token_loss_with_stats(logp, behav, adv_micro, mask_micro,
                                                     cfg.eps_low, cfg.eps_high, normalizer=n_tok)
-        loss.backward()      # grads accumulate; DP all-reduce with SUM (not mean) afterwards
-The summed micro-batch losses / gradients then equal the full-minibatch ones exactly.
+        loss.backward()      # grads accumulate; then the DP all-reduce must SUM
+The summed micro-batch losses / gradients then equal the full-minibatch ones exactly. If the DP
+reduction averages instead (Megatron-Core DDP's default scales by 1 / dp_size), multiply each loss by
+dp_size, or use Megatron's per-token-loss mode: return the un-normalised sum (normalizer=1.0) with
+the token count and let Megatron divide by the global count.
 """

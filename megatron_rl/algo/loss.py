@@ -9,7 +9,8 @@ Per completion token t of sequence i, with r_t = exp(logp_theta - logp_behaviour
 normalisation, as in Magistral/DAPO: every token weighs the same, long answers are not diluted into a
 per-sequence mean). When a minibatch is split into micro-batches (gradient accumulation) and over
 data-parallel ranks, pass the same global `normalizer` to every call: the sum of the micro-batch losses
-(and of their gradients, e.g. after a DP all-reduce SUM) is then exactly the full-minibatch loss.
+(and of their gradients after a DP all-reduce that SUMS; multiply by dp_size if it averages) is then
+exactly the full-minibatch loss.
 With `normalizer=None` it is `mask.sum()` of this call, which is right only for a single call per
 minibatch. `level="sequence"` gives the original GRPO mean of per-sequence means instead; then the
 normaliser counts sequences.

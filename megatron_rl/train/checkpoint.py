@@ -210,7 +210,7 @@ class LoadResult:
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
     saved_layout: dict[str, Any] = field(default_factory=dict)
-    optimizer_loaded: bool = True
+    optimizer_loaded: bool = True  # False: layout changed, not asked, or saved before the first step
     rng_restored: bool = True
 
 
@@ -245,6 +245,12 @@ def _sharded_state(model: list, optimizer, layout, *, is_loading: bool, with_opt
     return state
 
 
+def _optimizer_has_state(optimizer) -> bool:
+    """False for an optimizer that has not stepped yet (torch Adam keeps no state before step 1)."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return all(len(getattr(o, "optimizer", o).state) > 0 for o in opts)
+
+
 def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
                     extra: dict[str, Any] | None = None, keep_last: int = 0) -> Path:
     """Collective: save model chunks, optimizer, RNG, step and `extra` (JSON) under `root`."""
@@ -254,9 +260,12 @@ def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
     extra_json = json.dumps(extra or {}, sort_keys=True)  # fail before writing anything
     name = step_dirname(step)
     tmp = begin_save(root, name)
-    state = _sharded_state(model, optimizer, layout, is_loading=False, with_optimizer=True, with_rng=True)
+    # A fresh optimizer has no state to save (and faking one would take an Adam step): it is saved
+    # as absent and stays fresh on load, which is exactly the saved situation.
+    has_opt = optimizer is not None and _optimizer_has_state(optimizer)
+    state = _sharded_state(model, optimizer, layout, is_loading=False, with_optimizer=has_opt, with_rng=True)
     state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout),
-                 format_version=FORMAT_VERSION)
+                 has_optimizer=has_opt, format_version=FORMAT_VERSION)
     dist_checkpointing.save(state, str(tmp))
     return commit_save(root, tmp, name, keep_last)
 
@@ -273,7 +282,7 @@ def read_common(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt}: not a megatron_rl trainer checkpoint (format_version "
                               f"{common.get('format_version')!r})")
     return {"path": ckpt, "step": int(common["step"]), "layout": dict(common["layout"]),
-            "extra": json.loads(common["extra_json"])}
+            "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"])}
 
 
 def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optimizer: bool = True) -> LoadResult:
@@ -284,7 +293,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optim
     ckpt: Path = meta["path"]
     saved = meta["layout"]
     same_mp = (saved["tp"], saved["pp"], saved.get("vpp")) == (layout.tp, layout.pp, layout.vpp)
-    with_opt = load_optimizer and optimizer is not None and same_mp
+    with_opt = load_optimizer and optimizer is not None and same_mp and meta["has_optimizer"]
     with_rng = saved == _layout_now(layout)
     if load_optimizer and optimizer is not None and not same_mp:
         log.warning("%s was saved with tp=%s pp=%s vpp=%s; loading the model resharded into tp=%s pp=%s "

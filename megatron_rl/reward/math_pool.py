@@ -5,12 +5,17 @@ that is late is SIGKILLed and reaped, and a fresh one is forked on the next call
 ``os.fork`` children (not multiprocessing), so the pool also works inside daemonic multiprocessing
 workers, and they inherit the parent's imports (SymPy is imported once, before the first fork).
 Each worker gets an address-space limit (current size + ``memory_mb``) so ``(10^9)!`` fails fast
-with MemoryError instead of swapping, and dies with its parent (PR_SET_PDEATHSIG).
+with MemoryError instead of swapping. A worker exits when its request pipe closes (the parent
+closed the pool or died); as a backstop for a parent that dies mid-call, each request also lowers
+the worker's RLIMIT_CPU to its CPU time so far + 2 x timeout + 5 s (SIGXCPU ends it). No
+PR_SET_PDEATHSIG: it fires when the forking *thread* exits, which would kill workers of a pool
+shared by threads. Each child closes every inherited descriptor except its own pipe ends, so a
+sibling's pipe is never held open by another worker (EOF = crash stays detectable).
 """
 from __future__ import annotations
 
 import atexit
-import ctypes
+import math
 import os
 import pickle
 import resource
@@ -24,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 _HEADER = struct.Struct("!Q")
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,9 @@ def _vm_bytes() -> int:
 
 def _child_main(func: Callable, rfd: int, wfd: int, memory_mb: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
+    for lo, hi in ((3, min(rfd, wfd)), (min(rfd, wfd) + 1, max(rfd, wfd)), (max(rfd, wfd) + 1, 1 << 16)):
+        os.closerange(lo, hi)
     if memory_mb:
         limit = _vm_bytes() + memory_mb * (1 << 20)
         try:
@@ -98,6 +101,8 @@ def _child_main(func: Callable, rfd: int, wfd: int, memory_mb: int | None) -> No
             return
         if args is None:
             return
+        budget, args = args
+        _limit_cpu(budget)
         try:
             reply = ("ok", func(*args))
         except BaseException as exc:  # MemoryError, RecursionError, parser errors: all reported
@@ -106,6 +111,18 @@ def _child_main(func: Callable, rfd: int, wfd: int, memory_mb: int | None) -> No
             _send(wfd, reply)
         except Exception:
             return
+
+
+def _limit_cpu(budget: float) -> None:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + budget)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+    except (ValueError, OSError):
+        pass
 
 
 class _Worker:
@@ -193,7 +210,7 @@ class WorkerPool:
                 raise
         start = time.monotonic()
         try:
-            _send(worker.wfd, args)
+            _send(worker.wfd, (2 * timeout + 5, args))
             reply = _recv(worker.rfd, start + timeout)
         except TimeoutError:
             return self._discard(worker, CallResult("timeout", seconds=time.monotonic() - start))

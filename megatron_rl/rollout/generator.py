@@ -1,0 +1,308 @@
+"""Generator worker: owns one SGLang server, samples G completions per prompt, streams `Rollout`s.
+
+- `submit(problem_id, prompt_ids)` queues G samples (one SGLang request each, so each completion
+  is streamed as soon as it finishes; the G requests share the prompt's prefix in the radix cache).
+- `get(timeout)` / `completions()` yield finished `Rollout`s with token ids, per-token behaviour
+  logprobs (log_softmax(logits / T), as SGLang reports them) and per-token weight versions.
+- `begin_update()` / `finish_update(version)` bracket an in-flight weight update: pause
+  (`in_place` keeps running sequences and their KV, `retract` re-prefills them), open SGLang's
+  weight-update session, ... senders push buckets ..., set + verify the version, close the session,
+  apply the prefix-cache policy (see prefix_cache.py), continue.
+
+Death of the server (connection refused/reset, process gone) is recovered here when
+`on_death="restart"` (default): the server is relaunched from `model_path` and every unfinished
+sample is re-issued from scratch. The relaunched server serves the weights on disk, i.e. version
+`initial_version`, and `needs_weight_sync` becomes True: tokens are honestly tagged with that
+version, and the controller is expected to push the current weights (senders re-create their
+update groups because `incarnation` changed). With `on_death="raise"`, or once `max_restarts` is
+exhausted, `get()` raises `GeneratorDied` and the unfinished samples are listed in it.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+from megatron_rl.config import GeneratorConfig, RolloutConfig
+from megatron_rl.records import Rollout
+from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
+from megatron_rl.rollout.outputs import parse_version, to_rollout
+from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
+from megatron_rl.rollout.server import SGLangServer
+
+
+class GeneratorDied(RuntimeError):
+    """The server died and was not (or could not be) restarted. `unfinished` can be re-submitted."""
+
+    def __init__(self, msg: str, unfinished: list["Sample"]):
+        super().__init__(msg)
+        self.unfinished = unfinished
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update did not complete; the generator stays paused with its session open."""
+
+
+@dataclass
+class Sample:
+    """One pending completion request."""
+
+    problem_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    attempts: int = 0
+
+
+class Generator:
+    def __init__(self, server: SGLangServer, rollout: RolloutConfig | None = None,
+                 config: GeneratorConfig | None = None, generator_id: int = 0,
+                 max_concurrency: int | None = None, on_death: Literal["restart", "raise"] = "restart",
+                 max_restarts: int = 3):
+        self.server = server
+        self.rollout = rollout or RolloutConfig()
+        self.config = config or GeneratorConfig()
+        self.generator_id = generator_id
+        self.on_death = on_death
+        self.max_restarts = max_restarts
+        self.cache = PrefixCachePolicy(self.config.prefix_cache_max_staleness,
+                                       version=server.spec.initial_version)
+        self.needs_weight_sync = False
+        self._out: queue.Queue[Rollout | BaseException] = queue.Queue()
+        self._pending: dict[str, Sample] = {}
+        self._lock = threading.Lock()
+        self._recover_lock = threading.Lock()
+        self._send_gate = threading.Event()  # cleared during an update: hold new requests back
+        self._send_gate.set()
+        self._update_mode: PauseMode | None = None
+        self._dead: GeneratorDied | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency or self.rollout.n_async,
+                                        thread_name_prefix=f"gen{generator_id}")
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "Generator":
+        self.server.start()
+        self.cache.on_restart(self.server.incarnation, self.server.spec.initial_version)
+        return self
+
+    def close(self) -> None:
+        """Abort what runs, stop the server (whole process group) and the worker threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.server.alive():
+            try:
+                self.server.client.abort(abort_all=True)
+            except Exception:
+                pass
+        self.server.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Generator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def version(self) -> int:
+        return self.cache.version
+
+    @property
+    def incarnation(self) -> int:
+        return self.server.incarnation
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # ---------------------------------------------------------------- sampling
+    def sampling_params(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        sp = {"temperature": self.rollout.temperature, "top_p": self.rollout.top_p,
+              "max_new_tokens": self.rollout.max_new_tokens}
+        sp.update(overrides or {})
+        if sp.get("max_new_tokens", 0) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sp.get('max_new_tokens')}")
+        return sp
+
+    def submit(self, problem_id: str, prompt_ids: list[int], group_size: int | None = None,
+               sampling: dict[str, Any] | None = None, sample_indices: list[int] | None = None) -> list[str]:
+        """Queue G samples of one prompt (or exactly `sample_indices`, e.g. to re-issue part of a
+        group); returns their request ids."""
+        if self._closed:
+            raise RuntimeError("generator is closed")
+        if self._dead is not None:
+            raise self._dead
+        g = self.rollout.group_size if group_size is None else group_size
+        if g < 1:
+            raise ValueError(f"group_size must be >= 1, got {g}")
+        if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids (problem {problem_id})")
+        sp = self.sampling_params(sampling)
+        indices = list(range(g)) if sample_indices is None else list(sample_indices)
+        samples = [Sample(problem_id, i, list(prompt_ids), sp) for i in indices]
+        for s in samples:
+            self._issue(s)
+        return [s.rid for s in samples]
+
+    def _issue(self, s: Sample) -> None:
+        with self._lock:
+            self._pending[s.rid] = s
+        self._pool.submit(self._run, s)
+
+    def _run(self, s: Sample) -> None:
+        try:
+            self._send_gate.wait()
+            incarnation = self.server.incarnation
+            body = {"input_ids": s.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
+                    "rid": f"{s.rid}-{s.attempts}", "cache_salt": self.cache.salt()}
+            s.attempts += 1
+            try:
+                out = self.server.client.generate(body)
+            except ServerUnreachable as e:
+                self._on_unreachable(s, incarnation, e)
+                return
+            r = to_rollout(out, problem_id=s.problem_id, sample_index=s.sample_index,
+                           prompt_ids=s.prompt_ids, generator_id=self.generator_id)
+            with self._lock:
+                self._pending.pop(s.rid, None)
+                idle = not self._pending
+            if idle:
+                self.flush_stale_cache()
+            self._out.put(r)
+        except BaseException as e:  # never lose a sample silently: surface the error to get()
+            with self._lock:
+                self._pending.pop(s.rid, None)
+            self._out.put(e)
+
+    def get(self, timeout: float | None = None) -> Rollout | None:
+        """Next finished rollout, or None after `timeout`; raises what a worker hit."""
+        try:
+            item = self._out.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def completions(self, n: int | None = None, timeout: float | None = None) -> Iterator[Rollout]:
+        """Yield finished rollouts as they come (all pending ones when n is None)."""
+        count = itertools.count()
+        while n is None or next(count) < n:
+            if n is None and self.in_flight == 0 and self._out.empty():
+                return
+            r = self.get(timeout=timeout)
+            if r is None:
+                raise TimeoutError(f"no completion within {timeout} s ({self.in_flight} in flight)")
+            yield r
+
+    def abort(self, rid: str) -> None:
+        """Abort one sample; it still comes back (finish_reason 'abort') with its partial tokens."""
+        with self._lock:
+            s = self._pending.get(rid)
+        if s is not None:
+            self.server.client.abort(f"{s.rid}-{s.attempts - 1}")
+
+    # ---------------------------------------------------------------- death and recovery
+    def _on_unreachable(self, s: Sample, incarnation: int, err: Exception) -> None:
+        with self._recover_lock:
+            if self._dead is None and self.server.incarnation == incarnation and not self.server.healthy():
+                if self.on_death == "restart" and self.server.restarts < self.max_restarts:
+                    self._send_gate.clear()
+                    try:
+                        self.server.restart()
+                    except Exception as e:
+                        self._die(f"restart of the SGLang server failed: {e}")
+                    else:
+                        self.cache.on_restart(self.server.incarnation, self.server.spec.initial_version)
+                        self.needs_weight_sync = True
+                        self._update_mode = None
+                    finally:
+                        self._send_gate.set()
+                else:
+                    why = "on_death='raise'" if self.on_death == "raise" else f"{self.max_restarts} restarts used"
+                    self._die(f"SGLang server on port {self.server.spec.port} died ({err}); {why}")
+        if self._dead is not None:
+            return
+        self._pool.submit(self._run, s)  # re-issue from scratch on the (new) server
+
+    def _die(self, msg: str) -> None:
+        with self._lock:
+            unfinished = list(self._pending.values())
+            self._pending.clear()
+        self._dead = GeneratorDied(msg, unfinished)
+        self._out.put(self._dead)
+
+    # ---------------------------------------------------------------- weight updates
+    def begin_update(self, mode: PauseMode | None = None) -> None:
+        """Pause generation and open SGLang's weight-update session; senders may push buckets next."""
+        mode = mode or self.config.update_mode
+        if mode not in ("in_place", "retract"):
+            raise ValueError(f"update mode must be in_place or retract, got {mode!r}")
+        if self._update_mode is not None:  # retry after a failed send: the session is still open
+            return
+        self._send_gate.clear()
+        self.server.client.pause(mode)
+        self.server.client.begin_weight_update()
+        self._update_mode = mode
+
+    def finish_update(self, version: int) -> None:
+        """Stamp `version`, verify the server reports it, close the session, apply the prefix
+        policy and continue. Call only after every sender reported success."""
+        if self._update_mode is None:
+            raise WeightUpdateError("finish_update without begin_update")
+        c = self.server.client
+        c.set_weight_version(str(version))
+        got = c.weight_version()
+        if parse_version(got) != version:
+            raise WeightUpdateError(f"generator {self.generator_id} reports version {got} after update to {version}")
+        c.end_weight_update()
+        flushed = c.flush_cache()  # nothing running (retract, or idle in_place) -> empty cache
+        if self._update_mode == "retract" and not flushed:
+            raise WeightUpdateError("radix cache flush refused after a retract pause; KV would not be exact")
+        self.cache.on_update(version, flushed)
+        self.needs_weight_sync = False
+        self._update_mode = None
+        c.resume()
+        self._send_gate.set()
+
+    def fail_update(self, reason: str) -> WeightUpdateError:
+        """Record a failed update: the server stays paused (no sample continues on mixed weights).
+        The controller may retry the senders (session still open) or `restart()` the generator."""
+        return WeightUpdateError(f"generator {self.generator_id}: weight update failed, generation stays "
+                                 f"paused: {reason}")
+
+    def restart(self) -> None:
+        """Relaunch the server (weights from disk). Samples that were on the old server see their
+        connection drop and re-issue themselves (once each) on the new one."""
+        with self._recover_lock:
+            self._send_gate.clear()
+            try:
+                self.server.restart()
+                self.cache.on_restart(self.server.incarnation, self.server.spec.initial_version)
+                self.needs_weight_sync = True
+                self._update_mode = None
+            finally:
+                self._send_gate.set()
+
+    def flush_stale_cache(self, attempts: int = 3) -> bool:
+        """Flush the radix cache if it may hold old-epoch prefixes and nothing runs; True if clean.
+        Called automatically whenever the last pending sample finishes."""
+        for i in range(attempts):
+            if not self.cache.dirty or self._update_mode is not None or self.in_flight:
+                break
+            try:
+                self.cache.on_idle_flush(self.server.client.flush_cache())
+            except (SGLangHTTPError, ServerUnreachable):
+                break
+            if self.cache.dirty:
+                time.sleep(0.05)  # the finished request may still sit in the running batch
+        return not self.cache.dirty

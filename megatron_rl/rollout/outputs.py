@@ -1,0 +1,70 @@
+"""Turn one SGLang /generate answer into a `Rollout`: tokens, behaviour logprobs, versions per token."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.records import FinishReason, Rollout
+
+
+class MalformedOutput(ValueError):
+    """SGLang's answer lacks a field the trainer needs or its lengths disagree."""
+
+
+def parse_version(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise MalformedOutput(f"weight version {v!r} is not an integer; launch servers with "
+                              "--weight-version <int> and send integer versions") from None
+
+
+def expand_version_spans(spans: list | None, n_tokens: int, fallback: Any) -> list[int]:
+    """Per-token versions from SGLang's `meta_info.weight_versions` spans.
+
+    Spans are {"version", "start", "end"} over output-token indices (half-open). SGLang omits them
+    when no version was recorded; then every token carries `fallback` (meta_info.weight_version).
+    Gaps or overlaps are an error: a token without a known version must never reach the loss.
+    """
+    if not spans:
+        return [parse_version(fallback)] * n_tokens
+    out: list[int] = []
+    for s in spans:
+        if isinstance(s, dict):
+            v, start, end = s["version"], int(s["start"]), int(s["end"])
+        else:  # msgspec array_like form: [version, start, end]
+            v, start, end = s[0], int(s[1]), int(s[2])
+        if start != len(out) or end < start:
+            raise MalformedOutput(f"weight-version spans not contiguous at token {len(out)}: {spans}")
+        out.extend([parse_version(v)] * (end - start))
+    if len(out) != n_tokens:
+        raise MalformedOutput(f"weight-version spans cover {len(out)} tokens, output has {n_tokens}: {spans}")
+    return out
+
+
+def finish_reason(meta: dict) -> FinishReason:
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind in ("stop", "length", "abort"):
+        return kind
+    raise MalformedOutput(f"unknown finish_reason {fr!r}")
+
+
+def to_rollout(out: dict, *, problem_id: str, sample_index: int, prompt_ids: list[int],
+               generator_id: int) -> Rollout:
+    meta = out.get("meta_info") or {}
+    ids = out.get("output_ids")
+    if ids is None:
+        raise MalformedOutput(f"no output_ids in SGLang answer: {str(out)[:300]}")
+    lps = meta.get("output_token_logprobs")
+    if lps is None:
+        raise MalformedOutput("no output_token_logprobs (request must set return_logprob)")
+    if len(lps) != len(ids):
+        raise MalformedOutput(f"{len(lps)} logprobs for {len(ids)} output tokens")
+    for (lp, tok, *_), t in zip(lps, ids):
+        if tok != t:
+            raise MalformedOutput(f"logprob entry for token {tok} where output has {t}")
+    versions = expand_version_spans(meta.get("weight_versions"), len(ids), meta.get("weight_version"))
+    return Rollout(problem_id=problem_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
+                   completion_ids=list(ids), behaviour_logprobs=[float(x[0]) for x in lps],
+                   weight_versions=versions, finish_reason=finish_reason(meta),
+                   text=out.get("text", ""), generator_id=generator_id)

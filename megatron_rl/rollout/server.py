@@ -1,0 +1,188 @@
+"""Lifecycle of one SGLang server process: launch, wait healthy, detect death, restart, shut down.
+
+The server listens on 127.0.0.1 only. It runs in its own session (process group) so shutdown can
+kill SGLang's scheduler/detokenizer children with it; its output goes to a log file. On a machine
+without CUDA it gets `megatron_rl.platform.sglang_cpu_env()` and `--device cpu`. `--sleep-on-idle`
+is always passed (an idle server otherwise busy-polls a core that trainers need) and
+`--max-total-tokens` always set (SGLang's default KV cache is sized for a GPU).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rl.platform import has_cuda, sglang_cpu_env
+from megatron_rl.rollout.client import SGLangClient
+
+HOST = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time; the message quotes its log tail."""
+
+
+@dataclass
+class ServerSpec:
+    model_path: str
+    port: int
+    max_total_tokens: int = 8192
+    log_path: str | None = None  # default: <tmp>/sglang-<port>.log
+    initial_version: int = 0  # weight version of the weights on disk
+    mem_fraction_static: float | None = None
+    startup_timeout_s: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+    threads: int | None = None  # OMP_NUM_THREADS for the server process (None: inherit)
+    # SGLang's overlap scheduler keeps one forward pass in flight across an in_place pause; its token
+    # (computed by the old weights) is then tagged with the new version. Off by default so that
+    # per-token versions are exact; turn on for throughput when off-by-one tags are acceptable.
+    overlap_schedule: bool = False
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
+               "--host", HOST, "--port", str(self.port),
+               "--max-total-tokens", str(self.max_total_tokens), "--sleep-on-idle",
+               "--weight-version", str(self.initial_version), "--skip-server-warmup",
+               "--log-level", "warning"]
+        if not has_cuda():
+            cmd += ["--device", "cpu"]
+        if not self.overlap_schedule:
+            cmd += ["--disable-overlap-schedule"]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        return cmd + list(self.extra_args)
+
+
+def _log_tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "<no log>"
+
+
+class SGLangServer:
+    """Owns one server process. Not thread-safe: one owner (the Generator) drives it."""
+
+    def __init__(self, spec: ServerSpec):
+        if not Path(spec.model_path).exists():
+            raise FileNotFoundError(f"model path does not exist: {spec.model_path}")
+        self.spec = spec
+        self.url = f"http://{HOST}:{spec.port}"
+        self.client = SGLangClient(self.url)
+        self.log_path = Path(spec.log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{spec.port}.log")
+        self.proc: subprocess.Popen | None = None
+        self.incarnation = 0  # bumps on every (re)start: update groups must be re-created after one
+        self.restarts = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "SGLangServer":
+        if self.alive():
+            return self
+        if self.client.healthy(timeout=1.0):
+            raise ServerStartError(f"port {self.spec.port} already serves another SGLang server")
+        env = sglang_cpu_env()
+        if self.spec.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.spec.threads)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n==== launch {' '.join(self.spec.command())}\n".encode())
+        log.flush()
+        # own session: the whole tree (scheduler, detokenizer) is one process group to kill
+        self.proc = subprocess.Popen(self.spec.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.incarnation += 1
+        try:
+            self.wait_healthy(self.spec.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise ServerStartError(f"SGLang server on port {self.spec.port} exited (code {code}) "
+                                       f"during startup; log {self.log_path}:\n{_log_tail(self.log_path)}")
+            if self.client.healthy(timeout=2.0):
+                return
+            time.sleep(0.5)
+        raise ServerStartError(f"SGLang server on port {self.spec.port} not healthy after {timeout_s:.0f} s; "
+                               f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+
+    def alive(self) -> bool:
+        """The process runs (cheap; does not ask the server)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        return self.alive() and self.client.healthy()
+
+    def restart(self) -> None:
+        """Kill whatever is left and launch again (fresh weights from `model_path`, empty cache)."""
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the process group, SIGKILL what survives `grace_s`, reap the leader."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # session leader: pgid == pid
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            if self._group_gone(pgid, wait):
+                break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
+    def _group_gone(self, pgid: int, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.proc is not None:
+                self.proc.poll()  # reap the leader so it does not linger as a zombie
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return True
+            if self.proc is not None and self.proc.returncode is not None and not _has_live_members(pgid):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def kill_for_test(self) -> None:
+        """SIGKILL the whole group without cleanup, as a crash would (used by recovery tests)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _has_live_members(pgid: int) -> bool:
+    """Whether any non-zombie process is left in the group (Linux /proc)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -1,0 +1,137 @@
+"""Flat weight buckets: named tensors -> one contiguous byte tensor + a manifest, and back.
+
+The byte layout is the one SGLang's `load_format="flattened_bucket"` receiver allocates from the
+(names, dtypes, shapes) it is given: every tensor's raw bytes back to back in manifest order, no
+padding, each offset a multiple of its dtype's item size. So the manifest sent over HTTP fully
+determines the layout, and one `broadcast` of the flat tensor moves the whole bucket.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives inside a bucket."""
+
+    name: str
+    dtype: str  # torch dtype name without the `torch.` prefix ("float32", "bfloat16")
+    shape: tuple[int, ...]
+    offset: int  # byte offset in the flat bucket
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class Bucket:
+    """A flat uint8 tensor plus the manifest that cuts it back into named tensors."""
+
+    flat: torch.Tensor  # 1-D uint8
+    metas: list[TensorMeta]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel())
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metas]
+
+    def manifest(self) -> dict[str, list]:
+        """The fields SGLang's update_weights_from_distributed takes to allocate the same bucket."""
+        return {"names": [m.name for m in self.metas], "dtypes": [m.dtype for m in self.metas],
+                "shapes": [list(m.shape) for m in self.metas]}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_tensor(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name}: only dense (strided) tensors can be bucketed, got {tensor.layout}")
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """Pack tensors into one flat byte tensor (on the device of the first tensor)."""
+    if not named:
+        raise ValueError("cannot build an empty bucket")
+    metas, parts, offset = [], [], 0
+    seen: set[str] = set()
+    for name, t in named:
+        _check_tensor(name, t)
+        if name in seen:
+            raise ValueError(f"duplicate tensor name in bucket: {name}")
+        seen.add(name)
+        item = t.element_size()
+        if offset % item:
+            raise ValueError(f"{name}: byte offset {offset} is not a multiple of {t.dtype} size {item}; "
+                             "use plan_buckets, which starts a new bucket instead")
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, b.numel()))
+        parts.append(b)
+        offset += b.numel()
+    flat = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+    return Bucket(flat=flat, metas=metas)
+
+
+def empty_like_manifest(metas: list[TensorMeta], device: torch.device | str = "cpu") -> Bucket:
+    """A receive buffer with the layout `metas` describes."""
+    if not metas:
+        raise ValueError("cannot build an empty bucket")
+    size = metas[-1].offset + metas[-1].nbytes
+    return Bucket(flat=torch.empty(size, dtype=torch.uint8, device=device), metas=list(metas))
+
+
+def unflatten(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """Views into the flat tensor, one per manifest entry (no copy)."""
+    out = []
+    for m in bucket.metas:
+        if m.offset + m.nbytes > bucket.nbytes:
+            raise ValueError(f"{m.name}: manifest entry [{m.offset}, {m.offset + m.nbytes}) "
+                             f"exceeds bucket of {bucket.nbytes} bytes")
+        view = bucket.flat[m.offset:m.offset + m.nbytes].view(m.torch_dtype).reshape(m.shape)
+        out.append((m.name, view))
+    return out
+
+
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of named tensors into lists of at most `bucket_bytes` each.
+
+    Streaming: only one bucket's tensors are held at a time, so an exporter that materialises
+    full (TP-gathered) tensors one by one never has the whole model in memory. A tensor larger
+    than the budget travels alone. A tensor whose offset would break dtype alignment (mixed
+    dtypes) starts a new bucket.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    cur: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        _check_tensor(name, t)
+        n = t.numel() * t.element_size()
+        misaligned = size % t.element_size() != 0
+        if cur and (size + n > bucket_bytes or misaligned):
+            yield cur
+            cur, size = [], 0
+        cur.append((name, t))
+        size += n
+    if cur:
+        yield cur
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """plan_buckets followed by flatten."""
+    for group in plan_buckets(named, bucket_bytes):
+        yield flatten(group)

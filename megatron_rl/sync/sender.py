@@ -1,0 +1,167 @@
+"""Trainer side of weight sync: stream (hf_name, tensor) pairs to generators as flat buckets.
+
+One `WeightSender` per sending trainer rank (each pipeline stage sends its own layers; with TP the
+tensors are already gathered to full HF layout by the exporter). It works on any iterable of
+`(hf_name, tensor)` — `megatron_rl.train.hf_weights.export_hf_tensors(...)` or an HF model's
+`named_parameters()` — and never holds more than one bucket of it.
+
+Groups: one torch.distributed group per (sender, generator) pair, the sender as rank 0. With one
+generator that is one group per sender rank. Pairs rather than one group spanning all generators:
+SGLang's scheduler receives one bucket at a time, in the order update requests reach it, so two
+senders sharing two multi-generator groups could be served in opposite orders by two generators
+and deadlock; a pair group can only wait on its own sender.
+
+Per bucket and generator: POST the manifest (SGLang then joins a broadcast on the pair group) and
+broadcast the flat bytes. A bucket the server reports as not loaded is re-sent up to `retries`
+times (loading is idempotent); after that, or if the server never joined the broadcast, the send
+raises `WeightSyncError`. Weights are stamped with a version only by the coordinator
+(`sync.update.push_weights`) after *all* senders succeeded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.client import SGLangClient
+from megatron_rl.sync.buckets import Bucket, bucketize
+from megatron_rl.sync.group import close_update_group, default_backend, open_update_group
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed or was partial; the generators were left paused, not half-updated."""
+
+
+@dataclass(frozen=True)
+class SyncTarget:
+    """A generator as a sender sees it: its URL, TP size, and server incarnation (restart count)."""
+
+    url: str
+    tp_size: int = 1
+    incarnation: int = 0
+
+
+@dataclass
+class SendReport:
+    sender_rank: int
+    names: list[str] = field(default_factory=list)
+    bytes: int = 0  # payload bytes per generator
+    buckets: int = 0
+    retries: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Link:
+    target: SyncTarget
+    client: SGLangClient
+    group_name: str
+    pg: dist.ProcessGroup | None = None
+
+
+class WeightSender:
+    def __init__(self, sender_rank: int, targets: list[SyncTarget], bucket_mb: float = 256,
+                 backend: str | None = None, device: str | torch.device | None = None,
+                 retries: int = 1, broadcast_timeout_s: float = 300.0, group_prefix: str = "mrl"):
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not targets:
+            raise ValueError("a sender needs at least one generator target")
+        self.sender_rank = sender_rank
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.backend = backend or default_backend()
+        self.device = torch.device(device or ("cuda" if self.backend == "nccl" else "cpu"))
+        self.retries = retries
+        self.timeout_s = broadcast_timeout_s
+        self.group_prefix = group_prefix
+        self._links: list[_Link] = []
+        self.retarget(targets)
+
+    # ---------------------------------------------------------------- groups
+    def retarget(self, targets: list[SyncTarget]) -> None:
+        """Adopt a new target list; links to restarted (new incarnation) or removed servers are dropped."""
+        keep = {(l.target.url, l.target.incarnation): l for l in self._links}
+        links = []
+        for i, t in enumerate(targets):
+            link = keep.pop((t.url, t.incarnation), None)
+            if link is None:
+                name = f"{self.group_prefix}-s{self.sender_rank}-g{i}-i{t.incarnation}-{time.monotonic_ns() % 10**9}"
+                link = _Link(t, SGLangClient(t.url, timeout_s=self.timeout_s), name)
+            links.append(link)
+        for stale in keep.values():
+            close_update_group(None, stale.pg, stale.group_name)  # its server is gone or replaced
+        self._links = links
+
+    def connect(self) -> None:
+        """Open the missing groups (one per generator)."""
+        for link in self._links:
+            if link.pg is None:
+                link.pg = open_update_group(link.client, link.group_name, link.target.tp_size, self.backend,
+                                            timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        for link in self._links:
+            close_update_group(link.client, link.pg, link.group_name)
+            link.pg = None
+
+    # ---------------------------------------------------------------- sending
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SendReport:
+        """Send every tensor to every generator; raises WeightSyncError on any failure."""
+        self.connect()
+        report = SendReport(self.sender_rank)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(self._links)) as pool:
+            for bucket in bucketize(((n, t.detach().to(self.device)) for n, t in named_tensors),
+                                    self.bucket_bytes):
+                for retries in pool.map(lambda l: self._send_bucket(l, bucket), self._links):
+                    report.retries += retries
+                report.names += bucket.names
+                report.bytes += bucket.nbytes
+                report.buckets += 1
+        report.seconds = time.perf_counter() - t0
+        if not report.names:
+            raise WeightSyncError(f"sender {self.sender_rank}: nothing to send (empty tensor iterable)")
+        return report
+
+    def _send_bucket(self, link: _Link, bucket: Bucket) -> int:
+        for attempt in range(self.retries + 1):
+            answer = self._post_and_broadcast(link, bucket)
+            if isinstance(answer, dict) and answer.get("success"):
+                return attempt
+        raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: bucket "
+                              f"[{bucket.names[0]} .. {bucket.names[-1]}] not loaded after "
+                              f"{self.retries + 1} attempts: {str(answer)[:400]}")
+
+    def _post_and_broadcast(self, link: _Link, bucket: Bucket) -> object:
+        result: list[object] = []
+
+        def post() -> None:
+            try:
+                result.append(link.client.update_weights_from_distributed(bucket.manifest(), link.group_name))
+            except BaseException as e:
+                result.append(e)
+
+        t = threading.Thread(target=post, daemon=True)
+        t.start()
+        work = dist.broadcast(bucket.flat, group=link.pg, group_src=0, async_op=True)
+        t.join(self.timeout_s)
+        answer = result[0] if result else TimeoutError(f"no answer in {self.timeout_s} s")
+        try:
+            # the server answers only after its receive completed, unless it failed before joining
+            ok = work.wait(timeout=timedelta(seconds=5 if isinstance(answer, BaseException)
+                                             or not answer.get("success") else self.timeout_s))
+        except Exception as e:
+            ok, answer = False, answer if isinstance(answer, BaseException) else e
+        if not ok:
+            link.pg = None  # the group is out of step with the server: unusable
+            raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: broadcast of bucket "
+                                  f"[{bucket.names[0]} ..] did not complete: {answer}")
+        if isinstance(answer, BaseException):
+            raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: {answer}") from answer
+        return answer

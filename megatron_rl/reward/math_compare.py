@@ -171,8 +171,10 @@ def values_equal(a, b, fa: Flags = Flags(), fb: Flags = Flags()) -> bool:
     a, b = _single(a), _single(b)
     if isinstance(a, Seq) and isinstance(b, Seq):
         return _seq_equal(a, b, fa, fb)
-    if isinstance(a, Union) and isinstance(b, Union):
-        return _multiset_equal(a.parts, b.parts, fa, fb)
+    if isinstance(a, Union) and isinstance(b, Union) and _multiset_equal(a.parts, b.parts, fa, fb):
+        return True
+    if isinstance(a, Union) or isinstance(b, Union):
+        return _relation_vs_set(a, b)  # [1,2] \cup [2,3] ~ [1,3]; x<1 \lor x>2 forms
     if isinstance(a, Matrix) and isinstance(b, Matrix):
         return len(a.rows) == len(b.rows) and all(
             _ordered_equal(ra, rb, fa, fb) for ra, rb in zip(a.rows, b.rows))
@@ -184,7 +186,38 @@ def values_equal(a, b, fa: Flags = Flags(), fb: Flags = Flags()) -> bool:
         return _ordered_equal(entries, other.items, fa, fb) if m is a else _ordered_equal(other.items, entries, fa, fb)
     if isinstance(a, Scalar) and isinstance(b, Scalar):
         return scalars_equal(a, b, fa, fb)
+    if isinstance(a, Scalar) or isinstance(b, Scalar):
+        return _relation_vs_set(a, b)
     return False
+
+
+def _as_real_set(v):
+    """A SymPy set for an interval, a union of intervals, or a one-variable inequality."""
+    from megatron_rl.reward.math_sympy import interval_set, relation_set
+
+    if isinstance(v, Scalar):
+        return relation_set(v)
+    if isinstance(v, Seq) and v.kind == "ordered" and len(v.items) == 2:
+        lo, hi = v.items
+        if isinstance(lo, Scalar) and isinstance(hi, Scalar):
+            return interval_set(v.left, lo, hi, v.right)
+    if isinstance(v, Union):
+        import sympy
+
+        parts = [_as_real_set(p) for p in v.parts]
+        return None if any(p is None for p in parts) else sympy.Union(*parts)
+    return None
+
+
+def _relation_vs_set(a, b) -> bool:
+    """``x \\ge 3`` ~ ``[3, \\infty)``: compare as sets of reals."""
+    from megatron_rl.reward.math_sympy import Unparseable
+
+    try:
+        sa, sb = _as_real_set(a), _as_real_set(b)
+        return sa is not None and sb is not None and bool(sa == sb)
+    except (Unparseable, TypeError, ValueError, AttributeError, NotImplementedError):
+        return False
 
 
 def normalized_equal(pred: Normalized, ref: Normalized) -> bool:

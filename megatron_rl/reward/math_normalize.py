@@ -57,10 +57,12 @@ _FRAC_SHORT = [
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*([0-9a-zA-Z])"), r"\\frac\1{\2}"),
     (re.compile(r"\\sqrt\s*(\d+|[a-zA-Z](?![a-zA-Z]))"), r"\\sqrt{\1}"),
 ]
+_NUMBER_THEN_WORDS = re.compile(r"^([-+]?\d[\d,]*(?:\.\d+)?)\s+[A-Za-z][A-Za-z' /-]*$")
+_REPEATING = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\overline\s*\{(\d{1,50})\}")
 _INFINITY = re.compile(r"\\infinity(?![a-zA-Z])|(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])")
 _UNIT_TAIL = re.compile(r"^\s*(?:\^\s*\{?[23]\}?)?\s*\.?\s*$")
 _UNIT_MARK = re.compile(r"\x00\s*(?:\^\s*\{?[23]\}?)?")
-_WORDY_UNIT = re.compile(r"^[A-Za-z][A-Za-z .]*(?:\^\{?[23]\}?)?$")
+_WORDY_UNIT = re.compile(r"^[A-Za-z][A-Za-z ./]*(?:\^\{?[23]\}?)?$")
 
 
 def _unwrap_command(s: str, cmd: str, keep) -> str:
@@ -109,6 +111,15 @@ def _unwrap_text(s: str) -> str:
     return s
 
 
+def _repeating_to_frac(m: re.Match) -> str:
+    """``0.1\\overline{6}`` -> ``\\frac{1}{6}`` (exact value of a repeating decimal)."""
+    whole, fixed, rep = m.group(1) or "0", m.group(2), m.group(3)
+    k, r = len(fixed), len(rep)
+    num = int(whole + fixed + rep) - int(whole + fixed)
+    den = (10**r - 1) * 10**k
+    return "\\frac{%d}{%d}" % (num, den)
+
+
 def normalize(answer: str) -> Normalized:
     """Normalise an answer string (already extracted from its box)."""
     s = answer
@@ -145,6 +156,10 @@ def normalize(answer: str) -> Normalized:
         if word.startswith("percent"):
             percent = True
         s = s[: m.start()].rstrip(" .")
+    m = _NUMBER_THEN_WORDS.match(s)  # "5 apples" (a count followed by what is counted)
+    if m:
+        s = m.group(1)
+    s = _REPEATING.sub(_repeating_to_frac, s)
     if s.lower().startswith("and "):
         s = s[4:]
     s = re.sub(r"\s+(?:and|or)\s+", ", ", s) if re.search(r"\d|\\", s) else s

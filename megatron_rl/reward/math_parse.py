@@ -185,6 +185,8 @@ def parse_text(s: str) -> object:
     if len(parts) > 1:
         return Union(tuple(parse_text(p) for p in parts))
     commas = split_top(s, ",")
+    if len(commas) == 1:
+        commas = split_top(s, ";")
     if len(commas) > 1:
         items = [c.strip() for c in commas if c.strip()]
         if "=" in items[0] and not all(_top_eq(c) for c in items):

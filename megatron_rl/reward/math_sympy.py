@@ -40,6 +40,8 @@ def to_sympy(source: str) -> sympy.Basic:
         expr = latex2sympy(source, normalization_config=_NO_NORMALISATION)
     except Exception as exc:  # the parser raises bare Exception on syntax errors
         raise Unparseable(f"cannot parse {source[:80]!r}: {exc}") from None
+    if isinstance(expr, sympy.Basic) and expr.has(sympy.UnevaluatedExpr):  # \gcd, \operatorname{lcm}
+        expr = expr.replace(lambda e: isinstance(e, sympy.UnevaluatedExpr), lambda e: e.args[0])
     return expr
 
 
@@ -181,3 +183,17 @@ def equations_proportional(lhs_a: str, rhs_a: str, lhs_b: str, rhs_b: str) -> bo
         return False
     ratio = sympy.simplify(da / db)
     return bool(ratio.is_number) and ratio != 0 and ratio.is_finite is not False
+
+
+def interval_set(left: str, lo: Scalar, hi: Scalar, right: str) -> sympy.Set:
+    """The real interval written with these brackets and endpoints."""
+    return sympy.Interval(scalar_expr(lo), scalar_expr(hi), left == "(", right == ")")
+
+
+def relation_set(x: Scalar) -> sympy.Set | None:
+    """The solution set of a one-variable inequality (``x \\ge 3``, ``3 < x < 5``), else None."""
+    expr = scalar_expr(x)
+    if isinstance(expr, (sympy.core.relational.Relational, sympy.And, sympy.Or)):
+        if len(expr.free_symbols) == 1:
+            return expr.as_set()
+    return None

@@ -50,12 +50,12 @@ def extension_modules():
     cls = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     extra = {"cxx": CXX_FLAGS + cxx_defines(with_cuda)}
     if with_cuda:
-        extra["nvcc"] = NVCC_FLAGS
+        extra["nvcc"] = list(NVCC_FLAGS)
     ext = cls(
         name=f"megatron_rl.ops.{PREBUILT_STEM}",
         sources=rel,
         extra_compile_args=extra,
-        extra_link_args=LD_FLAGS,
+        extra_link_args=list(LD_FLAGS),
         py_limited_api=False,
     )
     build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=False)
@@ -96,9 +96,11 @@ def jit_load(verbose: bool = False) -> str:
     cpp_extension.load(
         name=f"{EXT_NAME}_{'cuda' if with_cuda else 'cpu'}",
         sources=sources(with_cuda),
+        # Fresh lists: torch appends its own flags to them in place, and a changed list on a second
+        # call would look like new build arguments (a second library registering the same ops).
         extra_cflags=CXX_FLAGS + cxx_defines(with_cuda),
-        extra_cuda_cflags=NVCC_FLAGS if with_cuda else None,
-        extra_ldflags=LD_FLAGS,
+        extra_cuda_cflags=list(NVCC_FLAGS) if with_cuda else None,
+        extra_ldflags=list(LD_FLAGS),
         build_directory=str(build_dir),
         with_cuda=with_cuda,
         is_python_module=False,

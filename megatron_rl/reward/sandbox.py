@@ -75,6 +75,9 @@ class Jail:
     """
 
     host_uid: int | None = None
+    # bare=True: NO namespaces -- rlimits, uid drop and a private workspace only. For hosts without
+    # bwrap, and only when the caller opted in explicitly (CodeLimits.allow_unsandboxed).
+    bare: bool = False
     tmp_mb: int = 64
     ro_paths: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=lambda: {
@@ -88,6 +91,9 @@ class Jail:
     # ------------------------------------------------------------------ argv
     def argv(self, cmd: list[str], status_fd: int, workspace: str | None, writable: bool,
              cwd: str) -> list[str]:
+        if self.bare:  # /box paths name the workspace directly
+            return [workspace + c[len(BOX):] if workspace and c.startswith(BOX + "/") else c
+                    for c in cmd]
         a = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
              "--new-session", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
              "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
@@ -127,7 +133,7 @@ class Jail:
             max_output: int, workspace: str | None = None, writable: bool = False,
             cwd: str = "/tmp") -> RunOutcome:
         """Run ``cmd`` in a fresh sandbox; never raises for anything the program does."""
-        ok, why = available(self)
+        ok, why = (True, "") if self.bare else available(self)
         if not ok:
             return RunOutcome(None, b"", b"", 0.0, setup_error=why)
         return self._run(cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd)
@@ -136,6 +142,8 @@ class Jail:
         become_subreaper()
         uid = self.uid()
         preexec = make_preexec(rlimits, uid, hide_plan(list(self.ro_paths), uid or 0))
+        if self.bare:
+            cwd = workspace or "/"
         status_r, status_w = os.pipe()
         stdin_fd = os.memfd_create("sandbox-stdin")
         os.write(stdin_fd, stdin)
@@ -144,7 +152,8 @@ class Jail:
             proc = subprocess.Popen(
                 self.argv(cmd, status_w, workspace, writable, cwd), stdin=stdin_fd,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
-                preexec_fn=preexec, start_new_session=True, cwd="/", env={})
+                preexec_fn=preexec, start_new_session=True, cwd=cwd if self.bare else "/",
+                env=dict(self.env) if self.bare else {})
         except (OSError, subprocess.SubprocessError) as e:
             os.close(status_r)
             return RunOutcome(None, b"", b"", 0.0, setup_error=f"cannot start bwrap: {e}")
@@ -184,6 +193,9 @@ class Jail:
             proc.stderr.close()
             if state["init"] is not None:
                 state["init"].reap()
+        if self.bare and proc.returncode is not None and not (c.timed_out or c.output_exceeded):
+            rc = proc.returncode
+            state["exit"] = 128 - rc if rc < 0 else rc
         out = RunOutcome(state["exit"], c.stdout, c.stderr, c.wall_s, c.timed_out, c.output_exceeded)
         if out.exit_code is None and not (c.timed_out or c.output_exceeded):
             msg = c.stderr.decode(errors="replace").strip() or f"bwrap exited {proc.returncode}"

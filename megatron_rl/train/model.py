@@ -18,8 +18,8 @@ This is what lets SmolLM2-135M (9 heads, 3 KV heads) run at TP=2.
 
 RoPE: default, `linear` (Megatron's seq_len_interpolation_factor), `llama3` (Megatron's built-in
 llama-3 scaling; only its fixed low/high frequency factors 1/4 and 8192 original context), `yarn`
-(Megatron's YaRN embedding; its attention scaling, which Megatron's GPT path drops, is folded into
-the softmax scale as mscale^2). Other types raise `UnsupportedModelError`.
+(Megatron's YaRN embedding; HF's attention scaling is applied by Megatron's attention where it
+does so, else folded into the softmax scale as mscale^2). Other types raise `UnsupportedModelError`.
 
 Specs: Transformer Engine layers on GPU when TE imports (use_te=None), the local spec otherwise.
 """
@@ -108,8 +108,12 @@ def _rope_spec(hf_config) -> RopeSpec:
             raise UnsupportedModelError("yarn RoPE with mscale/mscale_all_dim (DeepSeek style) is not supported")
         if params.get("truncate", True) is False:
             raise UnsupportedModelError("yarn RoPE with truncate=False is not supported by Megatron-Core")
+        default_mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         attention_factor = params.get("attention_factor")
-        mscale = float(attention_factor) if attention_factor else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        mscale = float(attention_factor) if attention_factor else default_mscale
+        if abs(mscale - default_mscale) > 1e-12:
+            raise UnsupportedModelError(f"yarn attention_factor={attention_factor}: Megatron-Core uses "
+                                        f"0.1 ln(factor) + 1 = {default_mscale}")
         return RopeSpec(theta, "yarn", factor, orig, float(params.get("beta_fast") or 32.0),
                         float(params.get("beta_slow") or 1.0), mscale)
     raise UnsupportedModelError(f"RoPE type {kind!r} is not supported (default, linear, llama3, yarn)")
@@ -163,6 +167,14 @@ def te_available() -> bool:
     return True
 
 
+def _megatron_applies_yarn_mscale() -> bool:
+    """Whether Megatron's attention scales q/k by the YaRN concentration factor itself (0.16 does,
+    from the yarn_* config attributes); otherwise it is folded into the softmax scale."""
+    from megatron.core.transformer import attention
+
+    return hasattr(attention, "_yarn_get_concentration_factor_from_config")
+
+
 def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -173,7 +185,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         raise ValueError(f"{dims.num_layers} layers cannot be split evenly over pp={layout.pp} x "
                          f"vpp={layout.n_chunks} = {stages} stages")
     softmax_scale = None
-    if dims.rope.kind == "yarn" and dims.rope.mscale != 1.0:
+    if dims.rope.kind == "yarn" and dims.rope.mscale != 1.0 and not _megatron_applies_yarn_mscale():
         softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
     config = TransformerConfig(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.padded_ffn_size,

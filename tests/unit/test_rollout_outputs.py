@@ -1,0 +1,97 @@
+"""Parsing SGLang answers into Rollouts; the prefix-cache epoch policy; server command line."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.rollout.outputs import MalformedOutput, expand_version_spans, finish_reason, to_rollout
+from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
+from megatron_rl.rollout.server import ServerSpec
+
+
+def _answer(ids, spans, fr="length", version="3"):
+    return {"text": "xy", "output_ids": ids,
+            "meta_info": {"finish_reason": {"type": fr}, "weight_version": version,
+                          "output_token_logprobs": [[-0.5 - i, t, None] for i, t in enumerate(ids)],
+                          "weight_versions": spans}}
+
+
+def test_spans_expand_per_token():
+    spans = [{"version": "2", "start": 0, "end": 3}, {"version": "3", "start": 3, "end": 5}]
+    assert expand_version_spans(spans, 5, "3") == [2, 2, 2, 3, 3]
+    assert expand_version_spans([["7", 0, 2]], 2, "7") == [7, 7]  # msgspec array form
+    assert expand_version_spans(None, 4, "5") == [5, 5, 5, 5]
+
+
+@pytest.mark.parametrize("spans,n", [
+    ([{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 3, "end": 5}], 5),  # gap
+    ([{"version": "1", "start": 0, "end": 2}], 3),  # short
+    ([{"version": "x", "start": 0, "end": 1}], 1),  # not an int
+])
+def test_bad_spans_raise(spans, n):
+    with pytest.raises(MalformedOutput):
+        expand_version_spans(spans, n, "1")
+
+
+def test_to_rollout_and_finish_reasons():
+    r = to_rollout(_answer([5, 6, 7], [{"version": "2", "start": 0, "end": 1},
+                                       {"version": "3", "start": 1, "end": 3}], fr="stop"),
+                   problem_id="p", sample_index=1, prompt_ids=[1, 2], generator_id=4)
+    assert r.completion_ids == [5, 6, 7] and r.weight_versions == [2, 3, 3]
+    assert r.behaviour_logprobs == [-0.5, -1.5, -2.5] and r.finish_reason == "stop"
+    assert r.generator_id == 4 and r.oldest_version == 2
+    for kind in ("stop", "length", "abort"):
+        assert finish_reason({"finish_reason": {"type": kind}}) == kind
+    with pytest.raises(MalformedOutput):
+        finish_reason({"finish_reason": None})
+
+
+def test_to_rollout_rejects_inconsistent_answers():
+    a = _answer([5, 6], None)
+    a["meta_info"]["output_token_logprobs"] = a["meta_info"]["output_token_logprobs"][:1]
+    with pytest.raises(MalformedOutput):
+        to_rollout(a, problem_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
+    a = _answer([5, 6], None)
+    del a["meta_info"]["output_token_logprobs"]
+    with pytest.raises(MalformedOutput, match="return_logprob"):
+        to_rollout(a, problem_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
+
+
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_prefix_epochs_bound_staleness_exactly(s):
+    """Two versions share a salt only if they differ by at most s (never reuse beyond s)."""
+    p = PrefixCachePolicy(max_staleness=s)
+    salts = {}
+    for v in range(12):
+        p.on_update(v, flushed=False)
+        salts[v] = p.salt()
+    for a in range(12):
+        for b in range(12):
+            if salts[a] == salts[b]:
+                assert abs(a - b) <= s
+    if s == 0:
+        assert len(set(salts.values())) == 12
+
+
+def test_prefix_policy_dirty_tracking():
+    p = PrefixCachePolicy(max_staleness=0)
+    p.on_update(1, flushed=True)
+    assert not p.dirty
+    p.on_update(2, flushed=False)
+    assert p.dirty
+    p.on_idle_flush(False)
+    assert p.dirty
+    p.on_idle_flush(True)
+    assert not p.dirty
+    salt = p.salt()
+    p.on_restart(incarnation=2, version=0)
+    assert p.salt() != salt and not p.dirty
+    with pytest.raises(ValueError):
+        PrefixCachePolicy(max_staleness=-1)
+
+
+def test_server_command_is_loopback_with_required_flags(tmp_path):
+    cmd = ServerSpec(str(tmp_path), 31234, max_total_tokens=4096).command()
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "4096"
+    assert "--sleep-on-idle" in cmd and "--disable-overlap-schedule" in cmd
+    assert cmd[cmd.index("--weight-version") + 1] == "0"

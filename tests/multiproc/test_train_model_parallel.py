@@ -71,7 +71,7 @@ def run(tmp_path_factory):
     (root / "cases.json").write_text(json.dumps(cases))
     out = root / "out"
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the gloo CPU path, also on GPU hosts
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(WORKER), str(root / "cases.json"), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=env)

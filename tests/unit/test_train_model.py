@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from support.train_models import make_tiny_hf, smollm2_fp32_dir
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Megatron puts params on the GPU when one exists
+
 
 @pytest.fixture(scope="module")
 def tp1():
@@ -17,7 +19,7 @@ def tp1():
     destroy_parallel(destroy_process_group=created)
 
 
-def _megatron(hf_dir_or_model, layout, tensors=None):
+def _megatron(hf_dir_or_model, layout, tensors=None, use_te=False):
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.train.hf_weights import load_hf_weights
@@ -26,7 +28,8 @@ def _megatron(hf_dir_or_model, layout, tensors=None):
     hf = hf_dir_or_model
     if not isinstance(hf, torch.nn.Module):
         hf = AutoModelForCausalLM.from_pretrained(hf_dir_or_model, dtype=torch.float32).eval()
-    chunks = build_model(hf.config, layout, torch.float32)
+    hf = hf.to(DEVICE)
+    chunks = build_model(hf.config, layout, torch.float32, use_te=use_te)
     load_hf_weights(chunks, tensors if tensors is not None else hf_dir_or_model)
     return hf, chunks
 
@@ -37,6 +40,8 @@ def _compare(hf, chunks, tokens, tol, weights=None):
     from megatron_rl.train.logprobs import token_logprobs
     from megatron_rl.train.model import forward_logits
 
+    tokens = tokens.to(DEVICE)
+    weights = None if weights is None else weights.to(DEVICE)
     logits = forward_logits(chunks[0], tokens)
     lp, ent = token_logprobs(logits[:, :-1], tokens[:, 1:], None, hf.config.vocab_size, with_entropy=True)
     ref_all = torch.log_softmax(hf(tokens).logits.float()[:, :-1], -1)
@@ -99,6 +104,18 @@ def test_tiny_variants_equal_hf(tp1, tmp_path, variant):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 301, (3, 20), generator=g)
     _compare(hf, chunks, tokens, tol=2e-5, weights=torch.randn(3, 19, generator=g))
+    _export_bit_exact(hf, chunks)
+
+
+@pytest.mark.gpu
+def test_transformer_engine_spec_equals_hf_on_gpu(tp1, tmp_path):
+    pytest.importorskip("transformer_engine")
+    hf, chunks = _megatron(make_tiny_hf(tmp_path / "te", family="qwen2", tie=True), tp1, use_te=True)
+    names = {n for n, _ in chunks[0].named_parameters()}
+    assert any(n.endswith("linear_qkv.layer_norm_weight") for n in names)  # TE fuses the norms
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 301, (2, 16), generator=g)
+    _compare(hf, chunks, tokens, tol=1e-4, weights=torch.randn(2, 15, generator=g))
     _export_bit_exact(hf, chunks)
 
 

@@ -1,0 +1,234 @@
+"""Real SGLang server (CPU) + real weight sync, checked against HF transformers.
+
+One server for the whole module (startup dominates). Tests run in file order and share the
+server's weight version: each test that syncs uses the next version number.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from megatron_rl.config import GeneratorConfig, RolloutConfig
+from megatron_rl.rollout.generator import Generator
+from megatron_rl.rollout.server import ServerSpec, SGLangServer
+from megatron_rl.sync.sender import WeightSender, WeightSyncError
+from megatron_rl.sync.update import push_weights, targets_of
+
+PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 11, 12]]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+_versions = itertools.count(1)
+
+
+def hf_model(path):
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def perturbed(model, seed):
+    """New weights that differ everywhere, with a sharper lm_head so greedy has no near-ties."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+        m.lm_head.weight.mul_(6.0)
+    return m
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, completion):
+    ids = torch.tensor([prompt + completion])
+    lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return lp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None])[:, 0]
+
+
+def named(model):
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_llama_dir, tmp_path_factory):
+    from support.net import free_port
+
+    spec = ServerSpec(str(tiny_llama_dir), free_port(), max_total_tokens=8192, threads=1,
+                      log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
+    g = Generator(SGLangServer(spec), RolloutConfig(group_size=2, n_async=8, n_batch=2, n_mini=1),
+                  GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
+    g.start()
+    yield g
+    g.close()
+    assert not g.server.alive()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir):
+    return hf_model(tiny_llama_dir)
+
+
+def assert_matches_hf(gen, model, version):
+    for i, prompt in enumerate(PROMPTS):
+        gen.submit(f"p{i}", prompt, group_size=2, sampling=GREEDY)
+    rollouts = list(gen.completions(timeout=120))
+    assert len(rollouts) == 2 * len(PROMPTS)
+    for r in rollouts:
+        prompt = PROMPTS[int(r.problem_id[1:])]
+        assert r.prompt_ids == prompt
+        assert r.completion_ids == hf_greedy(model, prompt, GREEDY["max_new_tokens"])
+        ref = hf_logprobs(model, prompt, r.completion_ids)
+        torch.testing.assert_close(torch.tensor(r.behaviour_logprobs), ref, atol=3e-3, rtol=1e-3)
+        assert r.weight_versions == [version] * len(r.completion_ids)
+        assert r.finish_reason == "length"
+
+
+def test_greedy_matches_hf_before_sync(gen, hf):
+    assert gen.version == 0
+    assert_matches_hf(gen, hf, 0)
+
+
+def test_sampled_group_is_streamed_as_rollouts(gen):
+    gen.submit("s", PROMPTS[0], sampling={"temperature": 1.0, "max_new_tokens": 6})  # G from config
+    rs = sorted(gen.completions(timeout=120), key=lambda r: r.sample_index)
+    assert [r.sample_index for r in rs] == [0, 1]
+    for r in rs:
+        assert 1 <= len(r.completion_ids) <= 6 and r.finish_reason in ("stop", "length")
+        assert all(lp <= 0 for lp in r.behaviour_logprobs)
+
+
+def test_sync_two_senders_matches_hf_with_new_weights(gen, hf):
+    new = perturbed(hf, seed=1)
+    tensors = named(new)
+    half = len(tensors) // 2  # two "pipeline stages", each sending its own tensors
+    senders = [WeightSender(r, targets_of([gen]), bucket_mb=0.05) for r in range(2)]
+    v = next(_versions)
+    report = push_weights([gen], [(senders[0], tensors[:half]), (senders[1], tensors[half:])], v,
+                          expected_names=[n for n, _ in tensors])
+    assert report.bytes == sum(t.numel() * t.element_size() for _, t in tensors)
+    assert all(r.buckets > 1 for r in report.reports)  # really bucketed
+    assert gen.server.client.weight_version() == str(v)
+    assert_matches_hf(gen, new, v)
+    gen._test_state = {"model": new, "senders": senders}
+
+
+def test_inflight_request_spans_two_versions(gen, hf):
+    state = gen._test_state
+    old, new = state["model"], perturbed(hf, seed=2)
+    v_old, v = gen.version, next(_versions)
+    gen.submit("long", PROMPTS[0], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 400,
+                                                            "ignore_eos": True})
+    gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 8})
+    short = gen.get(timeout=120)
+    assert short.problem_id == "short"  # the long one is decoding now, with tokens under v_old
+    push_weights([gen], [(state["senders"][0], named(new))], v)
+    long = gen.get(timeout=300)
+    assert long.problem_id == "long" and long.finish_reason == "length"
+    assert len(long.completion_ids) == 400
+    k = long.weight_versions.index(v)
+    assert 0 < k < 400 and long.weight_versions == [v_old] * k + [v] * (400 - k)
+    # tokens before the switch are exactly the old model's greedy continuation
+    assert long.completion_ids[:k] == hf_greedy(old, PROMPTS[0], k)
+    # logprobs are the old model's up to the switch; the token tagged v is the first one sampled
+    # by the new weights (on the old KV cache), so its logprob differs from the old model's
+    ref_old = hf_logprobs(old, PROMPTS[0], long.completion_ids[:k + 1])
+    torch.testing.assert_close(torch.tensor(long.behaviour_logprobs[:k]), ref_old[:k], atol=3e-3, rtol=1e-3)
+    assert abs(long.behaviour_logprobs[k] - ref_old[k].item()) > 1e-2
+    state["model"] = new
+
+
+def test_prefix_cache_not_reused_across_versions(gen, hf):
+    """A prompt cached under version v must not serve requests of version v+1, even though a
+    running request makes SGLang refuse to flush the cache during the update."""
+    state = gen._test_state
+    new, v = perturbed(hf, seed=3), next(_versions)
+    c = gen.server.client
+    prompt = PROMPTS[1]
+    gen.submit("warm", prompt, group_size=1, sampling=GREEDY)  # cached under the current version
+    list(gen.completions(timeout=120))
+    gen.submit("long", PROMPTS[0], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 300,
+                                                            "ignore_eos": True})
+    gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
+    assert gen.get(timeout=120).problem_id == "short"
+    assert not c.flush_cache()  # what SGLang allows: no flush while a request runs
+    push_weights([gen], [(state["senders"][0], named(new))], v)
+    assert gen.cache.dirty  # the flush after the update was refused: salts isolate the epochs
+    probe = c.generate({"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True,
+                        "cache_salt": gen.cache.salt()})
+    assert probe["meta_info"]["cached_tokens"] == 0
+    gen.submit("after", prompt, group_size=1, sampling=GREEDY)
+    gen.submit("after2", PROMPTS[0], group_size=1, sampling=GREEDY)
+    rs = {r.problem_id: r for r in gen.completions(timeout=300)}
+    assert rs["after"].completion_ids == hf_greedy(new, prompt, GREEDY["max_new_tokens"])
+    assert rs["long"].weight_versions[-1] == v
+    assert gen.flush_stale_cache(attempts=50)  # flushed once idle (SGLang allows it then)
+    state["model"] = new
+
+
+def test_retract_mode_reprefills_with_new_weights(gen, hf):
+    state = gen._test_state
+    new, v_old, v = perturbed(hf, seed=4), gen.version, next(_versions)
+    gen.submit("long", PROMPTS[0], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 300,
+                                                            "ignore_eos": True})
+    gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
+    assert gen.get(timeout=120).problem_id == "short"
+    push_weights([gen], [(state["senders"][0], named(new))], v, mode="retract")
+    assert not gen.cache.dirty  # retract leaves nothing running: the cache was flushed
+    long = gen.get(timeout=300)
+    k = long.weight_versions.index(v)
+    assert 0 < k < 300 and set(long.weight_versions[:k]) == {v_old}
+    # after re-prefill with the new weights, every later logprob is the new model's, exactly
+    ref = hf_logprobs(new, PROMPTS[0], long.completion_ids)
+    torch.testing.assert_close(torch.tensor(long.behaviour_logprobs[k:]), ref[k:], atol=3e-3, rtol=1e-3)
+    state["model"] = new
+
+
+def test_failed_update_is_detected_and_retried(gen, hf):
+    state = gen._test_state
+    sender = state["senders"][0]
+    old, new, v = state["model"], perturbed(hf, seed=5), next(_versions)
+    tensors = named(new)
+    bad = list(tensors)
+    name, t = bad[3]
+    bad[3] = (name, t.reshape(-1)[: t.numel() // 2].clone())  # wrong shape: SGLang's loader rejects it
+    with pytest.raises(WeightSyncError):
+        push_weights([gen], [(sender, bad)], v)
+    assert gen.server.client.weight_version() != str(v)  # never stamped
+    # a partial update (a stage that did not send) is rejected too, before any version is stamped
+    with pytest.raises(WeightSyncError, match="partial update"):
+        push_weights([gen], [(sender, tensors[:5])], v, expected_names=[n for n, _ in tensors])
+    # retry in the same open session with the full, correct weights: consistent again
+    push_weights([gen], [(sender, tensors)], v, expected_names=[n for n, _ in tensors])
+    assert_matches_hf(gen, new, v)
+    state["model"] = new
+    del old
+
+
+def test_killed_server_is_restarted_and_samples_reissued(gen, hf):
+    """Recovery policy: restart from disk (version 0), re-issue unfinished samples, ask for a sync."""
+    state = gen._test_state
+    gen.submit("k", PROMPTS[0], group_size=3, sampling={"temperature": 0.0, "max_new_tokens": 300,
+                                                         "ignore_eos": True})
+    gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
+    assert gen.get(timeout=120).problem_id == "short"
+    inc = gen.incarnation
+    gen.server.kill_for_test()
+    rs = list(gen.completions(timeout=300))
+    assert gen.incarnation == inc + 1 and gen.needs_weight_sync
+    assert sorted(r.sample_index for r in rs) == [0, 1, 2]
+    for r in rs:  # re-issued from scratch on the restarted server: disk weights, version 0
+        assert len(r.completion_ids) == 300 and r.weight_versions == [0] * 300
+        assert r.completion_ids[:20] == hf_greedy(hf, PROMPTS[0], 20)
+    # the sender notices the new incarnation, opens a fresh group and the sync works again
+    v = next(_versions)
+    push_weights([gen], [(state["senders"][0], named(state["model"]))], v)
+    assert not gen.needs_weight_sync
+    assert_matches_hf(gen, state["model"], v)

@@ -1,0 +1,230 @@
+"""Checkpoint conversion HF <-> Megatron-Core dist-checkpoint (Llama, Mistral, Qwen2), any TP/PP.
+
+Both directions are collective over the torch.distributed world (launch with torchrun/srun for
+TP*PP > 1; a plain process is a world of one). The layout of the job decides the sharding:
+
+- `hf_to_megatron(source, root, layout)`: every rank builds its TP/PP shard of the Megatron model
+  (`train.model.build_model`), fills it from the HF safetensors *one tensor at a time*
+  (`train.hf_weights.load_hf_weights` over the lazy `SafetensorsTensors`), and the shards are saved
+  with `train.checkpoint.save_checkpoint` (atomic, resumable by the Trainer, reshardable to any
+  TP/PP on load). The HF config and tokenizer are copied to `root/hf_config/` so that the reverse
+  conversion needs nothing else.
+- `megatron_to_hf(checkpoint, out_dir, layout)`: loads a checkpoint (a converted one or a trainer
+  checkpoint) at the job's layout — dist_checkpointing reshards PP and DP freely, and TP when
+  the model needs no TP padding (else the export must run at the saved TP) — then streams
+  `export_hf_tensors` (TP-gathered, padding removed, one tensor at a time) into safetensors
+  shards written by TP rank 0 / DP rank 0 of every pipeline stage (`hf_writer.ShardWriter`).
+  Rank 0 names the files and writes the index, config and tokenizer.
+
+Memory per rank: its model shard (1 / (TP*PP) of the model) plus, transiently, one HF tensor
+(q/k/v: three, while they are fused) on the way in; on the way out, one gathered full tensor plus
+one output shard buffer (`max_shard_bytes`, default 2 GiB). The whole model is never held twice.
+Output folders must be on a file system every rank sees (one node, or a shared FS under srun).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.train.parallel import ParallelLayout, init_parallel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+class ConversionError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    path: Path
+    layout: ParallelLayout
+    n_tensors: int  # tensors this rank wrote (export) or loaded (import)
+    files: tuple[str, ...] = ()
+    peak_buffer_bytes: int = 0  # largest output buffer this rank held (export)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _dtype_of_name(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConversionError(f"dtype {name!r}: expected one of {list(DTYPES)}") from None
+
+
+def _hf_dtype(config) -> torch.dtype:
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if d in DTYPES.values() else torch.float32
+
+
+def _plain_config(config):
+    """An HF config that `save_pretrained` accepts (a GGUF-loaded config carries quantisation)."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def save_hf_meta(source, folder: Path) -> None:
+    """config.json and the tokenizer files of `source` (a ModelSource) into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _plain_config(source.config()).save_pretrained(folder)
+    if source.gguf_file:
+        try:
+            source.tokenizer().save_pretrained(folder)
+        except Exception:  # a GGUF without a tokenizer still converts; say so in the folder
+            (folder / "NO_TOKENIZER").write_text("the source had no loadable tokenizer\n")
+        return
+    for name in _TOKENIZER_FILES:
+        if (source.path / name).is_file():
+            shutil.copy2(source.path / name, folder / name)
+
+
+def _start(layout: ParallelLayout, backend: str | None) -> ParallelLayout:
+    return init_parallel(layout, backend=backend)
+
+
+def hf_to_megatron(source: str | Path, root: str | Path, layout: ParallelLayout = ParallelLayout(dp=0),
+                   dtype: str | None = None, backend: str | None = None, step: int = 0) -> ConvertResult:
+    """Collective: HF model (directory or `smollm2-135m`) -> dist checkpoint under `root`."""
+    from megatron_rl.train.checkpoint import save_checkpoint
+    from megatron_rl.train.hf_source import resolve_model
+    from megatron_rl.train.hf_weights import load_hf_weights
+    from megatron_rl.train.model import build_model
+
+    layout = _start(layout, backend)
+    src = resolve_model(source)
+    config = src.config()
+    torch_dtype = _dtype_of_name(dtype) or _hf_dtype(config)
+    chunks = build_model(config, layout, torch_dtype)
+    load_hf_weights(chunks, src.tensors())
+    root = Path(root)
+    if _rank() == 0:
+        save_hf_meta(src, root / "hf_config")
+    _barrier()
+    extra = {"converted_from": str(source), "dtype": str(torch_dtype).removeprefix("torch."),
+             "model_type": config.model_type}
+    path = save_checkpoint(root, chunks, None, layout, step, extra=extra)
+    n = sum(1 for c in chunks for _ in c.parameters())
+    return ConvertResult(path, layout, n)
+
+
+def checkpoint_dtype(ckpt: Path) -> torch.dtype:
+    """dtype of the model weights stored in a dist checkpoint (from its metadata, no tensor read)."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    for key, t in meta.items():
+        if "word_embeddings" in key or "linear_qkv.weight" in key:
+            return t.dtype
+    raise ConversionError(f"{ckpt}: no model weights found in the checkpoint metadata")
+
+
+def padding_compatible(hf_config, saved_tp: int, tp: int) -> bool:
+    """Whether a checkpoint saved at `saved_tp` loads at `tp`: the trainer pads vocab, KV groups and
+    MLP width to multiples of TP (train/model.py), so the stored global shapes depend on TP."""
+    from megatron_rl.train.model import model_dims
+
+    a, b = model_dims(hf_config, saved_tp), model_dims(hf_config, tp)
+    return (a.padded_vocab_size, a.padded_num_kv_heads, a.padded_ffn_size) == \
+        (b.padded_vocab_size, b.padded_num_kv_heads, b.padded_ffn_size)
+
+
+def find_hf_config(ckpt: Path, hf_config: str | Path | None):
+    """The ModelSource giving the architecture: `hf_config`, else `<checkpoint root>/hf_config`."""
+    from megatron_rl.train.hf_source import resolve_model
+
+    if hf_config is not None:
+        return resolve_model(hf_config)
+    for folder in (ckpt / "hf_config", ckpt.parent / "hf_config"):
+        if (folder / "config.json").is_file():
+            return resolve_model(folder)
+    raise ConversionError(f"{ckpt}: no hf_config/ next to the checkpoint; pass the HF config "
+                          f"(model directory or name) the checkpoint was trained from")
+
+
+def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: ParallelLayout = ParallelLayout(dp=0),
+                   hf_config: str | Path | None = None, dtype: str | None = None,
+                   max_shard_bytes: int = 2 << 30, backend: str | None = None) -> ConvertResult:
+    """Collective: dist checkpoint (root or step dir) -> HF directory `out_dir`."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.train.checkpoint import load_checkpoint, read_common, resolve_checkpoint
+    from megatron_rl.train.hf_weights import export_hf_tensors
+    from megatron_rl.train.model import build_model
+
+    from .hf_writer import ShardWriter, finalize_index
+
+    layout = _start(layout, backend)
+    ckpt = resolve_checkpoint(checkpoint)
+    if ckpt is None:
+        raise ConversionError(f"no complete checkpoint at {checkpoint}")
+    src = find_hf_config(ckpt, hf_config)
+    config = _plain_config(src.config())
+    saved_tp = int(read_common(ckpt)["layout"]["tp"])
+    if not padding_compatible(config, saved_tp, layout.tp):
+        raise ConversionError(
+            f"{ckpt} was saved at tp={saved_tp}, whose TP padding (vocab / KV groups / MLP width padded "
+            f"to multiples of tp) differs from tp={layout.tp}'s for this model; export it with "
+            f"--tp {saved_tp} (any PP)")
+    stored = checkpoint_dtype(ckpt)
+    chunks = build_model(config, layout, stored)  # same dtype as stored: loading is a plain copy
+    load_checkpoint(ckpt, chunks, None, layout, load_optimizer=False)
+    out = Path(out_dir)
+    out_dtype = _dtype_of_name(dtype) or stored
+    writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    writer = ShardWriter(out, f"part-pp{pp_rank:03d}", max_shard_bytes) if writes else None
+    n = 0
+    if _rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+            stale.unlink()  # a previous export's shards would be mixed with these
+    _barrier()
+    for name, tensor in export_hf_tensors(chunks, dtype=out_dtype):  # every TP rank iterates (gather)
+        if writer is not None:
+            writer.add(name, tensor)
+            n += 1
+        del tensor
+    weight_map = writer.close() if writer is not None else {}
+    total = writer.total_bytes if writer is not None else 0
+    peak = writer.peak_buffer_bytes if writer is not None else 0
+    gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, (pp_rank, weight_map, total))
+    else:
+        gathered = [(pp_rank, weight_map, total)]
+    files: list[str] = []
+    if _rank() == 0:
+        parts = sorted((g for g in gathered if g[1]), key=lambda g: g[0])
+        files = finalize_index(out, [g[1] for g in parts], sum(g[2] for g in parts))
+        config.dtype = out_dtype
+        config.save_pretrained(out)
+        for name in _TOKENIZER_FILES:
+            if (src.path / name).is_file() and not src.gguf_file:
+                shutil.copy2(src.path / name, out / name)
+        if src.gguf_file:
+            src.tokenizer().save_pretrained(out)
+        (out / "megatron_rl_export.json").write_text(json.dumps(
+            {"checkpoint": str(ckpt), "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+             "dtype": str(out_dtype).removeprefix("torch.")}, indent=2))
+    _barrier()
+    return ConvertResult(out, layout, n, tuple(files), peak)

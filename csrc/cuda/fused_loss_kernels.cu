@@ -103,10 +103,12 @@ __global__ void __launch_bounds__(kThreads) lse_stats_kernel(const T* __restrict
         pm = fmaxf(pm, x[k]);
       }
       if (pm == -INFINITY) continue;
-      float ps = 0.0f;
+      if (pm > acc.m) {  // rescale only when the running max grows (rare after the first packs)
+        acc.s = acc.m == -INFINITY ? 0.0f : acc.s * __expf(acc.m - pm);
+        acc.m = pm;
+      }
 #pragma unroll
-      for (int k = 0; k < kN; ++k) ps += __expf(x[k] - pm);
-      acc = merge(acc, MaxSum{pm, ps});
+      for (int k = 0; k < kN; ++k) acc.s += __expf(x[k] - acc.m);
     }
   } else {
     for (int64_t i = threadIdx.x; i < vocab; i += kThreads) add_value(acc, to_f(z[i]));
@@ -130,6 +132,11 @@ __global__ void __launch_bounds__(kThreads) logits_grad_kernel(const T* logits, 
   T* g = grad + row * vocab;
   const float c = coef[row], l = lse[row];
   const int64_t local = targets[row] - vocab_start;  // may be outside [0, V): then never matched
+  if (c == 0.0f) {  // masked or clipped token (uniform per block): zeros, no exps
+    const T zero = from_f<T>(0.0f);
+    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) g[i] = zero;
+    return;
+  }
   if (vec_ok) {
     constexpr int kN = Pack<T>::kN;
     const Pack<T>* zp = reinterpret_cast<const Pack<T>*>(z);
@@ -140,14 +147,14 @@ __global__ void __launch_bounds__(kThreads) logits_grad_kernel(const T* logits, 
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
         const float onehot = (i * kN + k == local) ? 1.0f : 0.0f;
-        out.v[k] = from_f<T>(c == 0.0f ? 0.0f : c * (onehot - __expf(to_f(p.v[k]) - l)));
+        out.v[k] = from_f<T>(c * (onehot - __expf(to_f(p.v[k]) - l)));
       }
       gp[i] = out;
     }
   } else {
     for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
       const float onehot = (i == local) ? 1.0f : 0.0f;
-      g[i] = from_f<T>(c == 0.0f ? 0.0f : c * (onehot - __expf(to_f(z[i]) - l)));
+      g[i] = from_f<T>(c * (onehot - __expf(to_f(z[i]) - l)));
     }
   }
 }

@@ -81,5 +81,10 @@ def iter_problems(cfg: DataConfig) -> Iterator[Problem]:
         yield from read_jsonl(cfg.path)
     elif cfg.source == "reasoning_gym":
         yield from reasoning_gym_problems(cfg.task, cfg.size, cfg.seed)
-    else:  # humaneval / champ arrive with the evaluation tools (issue #9)
-        raise DataError(f"data source {cfg.source!r} is not available for training yet")
+    elif cfg.source == "champ":
+        from megatron_rl.data.champ import champ_problems
+
+        yield from champ_problems()[: cfg.size]
+    else:  # humaneval: graded by its own harness (data/humaneval.py), not by reward.score
+        raise DataError("data source 'humaneval' is evaluation-only (megatron-rl evaluate --source humaneval): "
+                        "its tests are a Python check() harness that the training reward does not run")

@@ -1,0 +1,112 @@
+"""Sampling k completions per problem for filtering and evaluation.
+
+Two sources of completions, one interface (`Sampler.sample(problems, k) -> {problem_id: [Completion]}`):
+- `GeneratorSampler`: a real SGLang server through `megatron_rl.rollout.Generator` (prompts rendered
+  with the chat template and a system-prompt template of `megatron_rl.data.prompts`; the graded
+  response is the template's assistant prefix + the completion, exactly as in training);
+- `FileSampler`: completions produced elsewhere, read from JSONL lines
+  `{"problem_id": ..., "response": ..., "num_tokens"?: int}` (e.g. another framework's outputs).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from megatron_rl.records import Problem
+
+
+@dataclass(frozen=True)
+class Completion:
+    response: str  # what the verifier grades (assistant prefix + generated text)
+    num_tokens: int | None = None
+    finish_reason: str = "stop"
+
+
+class Sampler(Protocol):
+    def sample(self, problems: list[Problem], k: int) -> dict[str, list[Completion]]: ...
+
+
+class FileSampler:
+    def __init__(self, path: str | Path):
+        self.by_problem: dict[str, list[Completion]] = defaultdict(list)
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"samples file not found: {path}")
+        for lineno, line in enumerate(path.open(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                pid, response = str(row["problem_id"]), row["response"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: expected {{problem_id, response}}: {e}") from None
+            if not isinstance(response, str):
+                raise ValueError(f"{path}:{lineno}: response must be a string")
+            self.by_problem[pid].append(Completion(response, row.get("num_tokens"), row.get("finish_reason", "stop")))
+
+    def sample(self, problems: list[Problem], k: int) -> dict[str, list[Completion]]:
+        out = {}
+        for p in problems:
+            got = self.by_problem.get(p.problem_id, [])
+            if len(got) < k:
+                raise ValueError(f"problem {p.problem_id}: {len(got)} samples in the file, {k} needed")
+            out[p.problem_id] = got[:k]
+        return out
+
+
+class GeneratorSampler:
+    """k samples per problem from a started `rollout.Generator` (all problems in flight at once)."""
+
+    def __init__(self, generator, tokenizer, template: str = "magistral", sampling: dict | None = None,
+                 timeout_s: float = 3600.0, progress: bool = True):
+        from megatron_rl.data.prompts import get_template
+
+        self.generator, self.tokenizer = generator, tokenizer
+        self.template = get_template(template)
+        self.sampling = dict(sampling or {})
+        self.timeout_s, self.progress = timeout_s, progress
+
+    def sample(self, problems: list[Problem], k: int) -> dict[str, list[Completion]]:
+        from megatron_rl.data.prompts import render_prompt_ids
+
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        ids = {p.problem_id: p for p in problems}
+        if len(ids) != len(problems):
+            raise ValueError("problem ids must be unique")
+        for p in problems:
+            self.generator.submit(p.problem_id, render_prompt_ids(self.tokenizer, p, self.template),
+                                  group_size=k, sampling=self.sampling)
+        out: dict[str, list] = {pid: [None] * k for pid in ids}
+        total, done, t0 = k * len(problems), 0, time.perf_counter()
+        for r in self.generator.completions(timeout=self.timeout_s):
+            text = self.template.assistant_prefix + self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+            out[r.problem_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
+            done += 1
+            if self.progress and (done % max(1, total // 20) == 0 or done == total):
+                print(f"sampled {done}/{total} completions ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+        missing = [pid for pid, cs in out.items() if any(c is None for c in cs)]
+        if missing:
+            raise RuntimeError(f"{len(missing)} problems did not get {k} samples: {missing[:5]}")
+        return out
+
+
+def open_generator(model: str, port: int, rollout=None, generator=None, max_concurrency: int = 64,
+                   log_path: str | None = None, threads: int | None = None):
+    """A started `Generator` serving `model` (HF dir or smollm2-135m) on 127.0.0.1:`port`."""
+    from megatron_rl.config import GeneratorConfig, RolloutConfig
+    from megatron_rl.control.model_files import generator_model_dir
+    from megatron_rl.rollout.generator import Generator
+    from megatron_rl.rollout.server import ServerSpec, SGLangServer
+
+    g = generator or GeneratorConfig()
+    spec = ServerSpec(str(generator_model_dir(model)), port, max_total_tokens=g.max_total_tokens,
+                      log_path=log_path, mem_fraction_static=g.mem_fraction_static,
+                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), threads=threads)
+    return Generator(SGLangServer(spec), rollout or RolloutConfig(), g, max_concurrency=max_concurrency).start()

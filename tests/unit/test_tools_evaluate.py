@@ -1,0 +1,112 @@
+"""pass@1 / pass@k (vs exact enumeration), grading of math, stdin/stdout code and HumanEval samples
+with the real verifiers, per-language breakdown, and the `megatron-rl evaluate` CLI on a samples file."""
+import itertools
+import json
+
+import pytest
+
+from megatron_rl.records import Problem
+from megatron_rl.tools.evaluate import grade_samples, pass_at_k, summarize
+from megatron_rl.tools.sampling import Completion, FileSampler
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 2), (6, 3, 4), (4, 4, 3), (7, 1, 7)])
+def test_pass_at_k_matches_enumeration_of_subsets(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    exact = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, n + 1)
+
+
+def _humaneval(idx=2):
+    from megatron_rl.data.humaneval import humaneval_problems
+
+    return humaneval_problems(limit=idx + 1)[idx]
+
+
+def _problems():
+    he = _humaneval()
+    return [
+        Problem("m_en", "What is six times seven?", {"kind": "math", "answer": "42", "problem": "What is six times seven?"}),
+        Problem("m_fr", "Combien font trois plus quatre ? Donnez le résultat.",
+                {"kind": "math", "answer": "7"}, "fr"),
+        Problem("c_en", "Read two integers and print their sum.",
+                {"kind": "code", "language": "python", "tests": [{"input": "1 2\n", "output": "3\n"}]}, "en"),
+        he,
+    ]
+
+
+def _responses(he):
+    sol = he.task["meta"]["prompt"] + he.task["meta"]["canonical_solution"]
+    return {
+        "m_en": ["<think>6*7</think>\\boxed{42}", "<think>6*7</think>\\boxed{41}", "no think \\boxed{42}",
+                 "<think>x</think>\\boxed{42.0}"],  # correct, wrong, format fail, correct
+        "m_fr": ["<think>3+4</think>\\boxed{7}"] * 2 + ["<think>3+4</think>\\boxed{8}"] * 2,
+        "c_en": ["<think>sum</think>```python\na, b = map(int, input().split())\nprint(a + b)\n```",
+                 "<think>sum</think>```python\nprint(0)\n```"] * 2,
+        he.problem_id: [f"<think>ok</think>```python\n{sol}```", "```python\ndef truncate_number(n):\n    return 0\n```",
+                        f"```python\n{sol}```", "I do not know"],
+    }
+
+
+def test_grading_counts_and_metrics():
+    problems = _problems()
+    responses = _responses(problems[-1])
+    samples = {pid: [Completion(r) for r in rs] for pid, rs in responses.items()}
+    rows = grade_samples(problems, samples, workers=1)
+    by_id = {r.problem_id: r for r in rows}
+    assert [by_id[p].correct for p in ("m_en", "m_fr", "c_en", problems[-1].problem_id)] == [2, 2, 2, 2]
+    assert by_id["m_en"].format_ok == 3
+    assert by_id[problems[-1].problem_id].statuses == {"ok": 2, "runtime_error": 1, "no_code": 1}
+    assert by_id["m_fr"].language == "fr" and by_id["m_en"].language == "en"
+    s = summarize(rows, [1, 2])
+    assert s["pass@1"] == pytest.approx(0.5)
+    assert s["pass@2"] == pytest.approx(1 - 1 / 6)  # every problem: n=4, c=2 -> 1 - C(2,2)/C(4,2)
+    assert set(s["by_language"]) == {"en", "fr"}
+    assert s["by_language"]["fr"]["problems"] == 1 and s["by_language"]["en"]["problems"] == 3
+
+
+def test_humaneval_ships_164_problems_and_grades_them_honestly():
+    from megatron_rl.data.humaneval import grade, humaneval_problems
+
+    problems = humaneval_problems()
+    assert len(problems) == 164
+    p = problems[0]
+    sol = p.task["meta"]["prompt"] + p.task["meta"]["canonical_solution"]
+    assert grade(p.task, f"```python\n{sol}```").passed
+    # printing what a fixed-output harness would expect does not pass
+    assert not grade(p.task, "```python\nprint('OK')\nraise SystemExit(0)\n```").passed
+    # only the body (completion style): the prompt is prepended
+    assert grade(p.task, f"```python\n{p.task['meta']['canonical_solution']}```").passed
+
+
+def test_evaluate_cli_on_a_samples_file(tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    problems = _problems()[:2]
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": p.problem_id, "prompt": p.prompt, "task": p.task,
+                                        **({"lang": p.language} if p.language else {})}) + "\n" for p in problems))
+    responses = _responses(_humaneval())
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"problem_id": pid, "response": r}) + "\n"
+                               for pid in ("m_en", "m_fr") for r in responses[pid]))
+    out = tmp_path / "results.jsonl"
+    rc = main(["evaluate", "--path", str(data), "--samples", str(samples), "--n", "4", "--k", "1,4",
+               "--out", str(out), "--workers", "1"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["pass@1"] == pytest.approx(0.5) and summary["pass@4"] == pytest.approx(1.0)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["correct"] for r in rows] == [2, 2]
+    assert main(["evaluate", "--path", str(data), "--samples", str(samples), "--n", "5"]) == 1  # too few
+    assert main(["evaluate", "--path", str(data), "--samples", str(samples), "--n", "2", "--k", "3"]) == 1
+
+
+def test_file_sampler_rejects_bad_lines(tmp_path):
+    bad = tmp_path / "s.jsonl"
+    bad.write_text('{"problem_id": "a"}\n')
+    with pytest.raises(ValueError, match="s.jsonl:1"):
+        FileSampler(bad)

@@ -26,7 +26,7 @@ COMMANDS: dict[str, Command] = {
     "filter": Command("difficulty and format filtering of problem sets", module="filter"),
     "evaluate": Command("pass@1 / pass@k evaluation on problem sets", module="evaluate"),
     "translate": Command("translate a fraction of a problem set through an OpenAI-compatible endpoint",
-                         issue=9),
+                         module="translate"),
     "estimate": Command("per-GPU memory per role and throughput estimate of a config", issue=9),
     "plot": Command("plot the metrics of a run directory to PNG", module="plot"),
     "simulate": Command("discrete-event simulation of the async pipeline at scale", issue=8),

@@ -1,0 +1,51 @@
+"""`megatron-rl translate --path IN.jsonl OUT.jsonl --base-url http://127.0.0.1:30000 --fraction 0.1`.
+
+Translates a fraction of a problem set through any OpenAI-compatible `/v1/chat/completions`
+endpoint, keeps answers untouched, rejects (and counts) translations whose detected language is
+wrong; prints the counts as JSON. See megatron_rl.tools.translate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_rl.tools.cli_common import add_problem_args
+
+    add_problem_args(parser)
+    parser.add_argument("out", help="output problem JSONL")
+    parser.add_argument("--base-url", required=True, help="endpoint base, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--model", default="default", help="model name sent to the endpoint")
+    parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
+    parser.add_argument("--fraction", type=float, default=0.1, help="fraction of problems to translate")
+    parser.add_argument("--languages", default="fr,es,it,de,zh,ru", help="comma-separated ISO codes")
+    parser.add_argument("--mode", choices=["add", "replace"], default="add")
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--parallel", type=int, default=4, help="concurrent requests")
+    parser.add_argument("--report", help="write the counts and the first rejections (JSON) here too")
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_rl.data.sources import DataError
+    from megatron_rl.tools.cli_common import load_problems, write_jsonl
+    from megatron_rl.tools.filter_difficulty import problem_row
+    from megatron_rl.tools.translate import ChatClient, EndpointError, translate_problems
+
+    try:
+        problems = load_problems(args)
+        client = ChatClient(args.base_url, args.model, args.api_key, max_tokens=args.max_tokens)
+        report = translate_problems(problems, client, args.fraction,
+                                    [l.strip() for l in args.languages.split(",") if l.strip()],
+                                    seed=args.seed, mode=args.mode, workers=args.parallel)
+    except (DataError, ValueError, OSError, EndpointError) as e:
+        print(f"translate: {e}", file=sys.stderr)
+        return 1
+    write_jsonl(args.out, [problem_row(p) for p in report.problems])
+    summary = report.summary()
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(summary | {"rejections": report.rejections}, f, indent=2, ensure_ascii=False)
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -27,7 +27,7 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command("pass@1 / pass@k evaluation on problem sets", module="evaluate"),
     "translate": Command("translate a fraction of a problem set through an OpenAI-compatible endpoint",
                          module="translate"),
-    "estimate": Command("per-GPU memory per role and throughput estimate of a config", issue=9),
+    "estimate": Command("per-GPU memory per role and throughput estimate of a config", module="estimate"),
     "plot": Command("plot the metrics of a run directory to PNG", module="plot"),
     "simulate": Command("discrete-event simulation of the async pipeline at scale", issue=8),
     "config": Command("print the resolved config (defaults, YAML file and overrides)", module="config_cmd"),

@@ -1,0 +1,28 @@
+"""`megatron-rl estimate CONFIG [--cluster CLUSTER.yaml] [key=value ...]`: per-GPU memory per role
+(trainer, generator) and a throughput estimate; exit status 3 when a role does not fit in memory."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.data_parallel=8")
+    parser.add_argument("--cluster", help="YAML of megatron_rl.tools.estimate.Cluster (GPU memory, generator_tp, ...)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.tools.estimate import Cluster, estimate, render, shapes_of
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        e = estimate(cfg, Cluster.load(args.cluster), shapes_of(cfg))
+    except (ConfigError, ValueError, OSError, TypeError) as err:
+        print(f"estimate: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(e.to_dict(), indent=2) if args.json else render(e, cfg))
+    return 0 if e.fits else 3

@@ -1,0 +1,87 @@
+"""Estimator: parameter counts vs HF transformers (meta device), the scale examples fit, and the
+memory terms move the way sharding says they must."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.config import load_config
+from megatron_rl.tools.estimate import Cluster, Shapes, estimate, shapes_of
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SCALES = [("magistral_small", 20e9, 30e9), ("magistral_medium", 100e9, 140e9)]
+
+
+def _hf_param_count(config_dir) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name,lo,hi", SCALES)
+def test_scale_examples_fit_and_count_parameters_like_hf(name, lo, hi, capsys):
+    from megatron_rl.cli import main
+
+    cfg = load_config(EXAMPLES / f"{name}.yaml")
+    shapes = shapes_of(cfg)
+    assert shapes.total == _hf_param_count(cfg.trainer.model)
+    assert lo < shapes.total < hi
+    rc = main(["estimate", str(EXAMPLES / f"{name}.yaml"), "--cluster", str(EXAMPLES / f"{name}.cluster.yaml")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "fits" in out and "trainer:" in out and "generators:" in out
+    e = estimate(cfg, Cluster.load(EXAMPLES / f"{name}.cluster.yaml"), shapes)
+    assert e.fits and e.trainer_gpus == 32 * (1 if name == "magistral_small" else 8)
+
+
+def test_tied_embeddings_counted_once(tiny_llama_dir):
+    cfg = load_config(None, [f"trainer.model={tiny_llama_dir}"])
+    assert shapes_of(cfg).total == _hf_param_count(tiny_llama_dir)
+
+
+def test_memory_terms_follow_sharding():
+    cfg = load_config(EXAMPLES / "magistral_small.yaml")
+    shapes, cluster = shapes_of(cfg), Cluster()
+
+    def with_trainer(**kw):
+        c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **kw))
+        return estimate(c, cluster, shapes)
+
+    base = with_trainer()
+    dp8 = with_trainer(data_parallel=8)
+    assert dp8.trainer_gb["optimizer"] == pytest.approx(base.trainer_gb["optimizer"] / 2)
+    assert dp8.trainer_gb["weights"] == base.trainer_gb["weights"]
+    tp4 = with_trainer(tensor_parallel=4)
+    assert tp4.trainer_gb["weights"] == pytest.approx(2 * base.trainer_gb["weights"])
+    no_zero = with_trainer(distributed_optimizer=False)
+    assert no_zero.trainer_gb["optimizer"] == pytest.approx(4 * base.trainer_gb["optimizer"])
+    fp32 = with_trainer(precision="fp32")
+    assert fp32.trainer_gb["weights"] == pytest.approx(2 * base.trainer_gb["weights"])
+    # 24B on one GPU per trainer does not fit: the command says so with exit status 3
+    lone = with_trainer(tensor_parallel=1, data_parallel=1, distributed_optimizer=False)
+    assert not lone.fits and lone.trainer_gb["total"] > 16 * 23
+
+
+def test_cli_exit_status_when_it_does_not_fit(capsys):
+    from megatron_rl.cli import main
+
+    rc = main(["estimate", str(EXAMPLES / "magistral_small.yaml"), "trainer.tensor_parallel=1",
+               "trainer.data_parallel=1", "--json"])
+    assert rc == 3
+    assert main(["estimate", str(EXAMPLES / "missing.yaml")]) == 1
+
+
+def test_unknown_cluster_key_is_rejected(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("gpu_memroy_gb: 80\n")
+    with pytest.raises(ValueError, match="gpu_memroy_gb"):
+        Cluster.load(p)
+
+
+def test_pipeline_must_split_layers():
+    cfg = load_config(EXAMPLES / "magistral_small.yaml", ["trainer.pipeline_parallel=3"])
+    with pytest.raises(ValueError):
+        estimate(cfg, Cluster(), Shapes(100, 8, 40, 2, 2, 4, 16, False))

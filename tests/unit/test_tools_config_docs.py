@@ -1,0 +1,22 @@
+"""docs/config.md is generated from megatron_rl/config.py and must be up to date."""
+import dataclasses
+from pathlib import Path
+
+from megatron_rl.config import Config
+from megatron_rl.tools.config_docs import render
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+def test_committed_config_table_is_up_to_date():
+    assert DOC.read_text() == render(), "docs/config.md is stale: run python tools/gen_config_docs.py"
+
+
+def test_every_key_has_a_row_with_its_default_and_a_meaning():
+    text = render()
+    cfg = Config()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            rows = [l for l in text.splitlines() if l.startswith(f"| `{section.name}.{f.name}` |")]
+            assert len(rows) == 1, f"{section.name}.{f.name}"
+            assert not rows[0].rstrip().endswith("|  |"), f"{section.name}.{f.name} has no meaning"

@@ -32,6 +32,13 @@ def cuda_build_possible() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+def jit_with_cuda() -> bool:
+    """The JIT build includes the CUDA sources only where they can be built and used."""
+    import torch
+
+    return cuda_build_possible() and torch.cuda.is_available()
+
+
 def sources(with_cuda: bool) -> list[str]:
     names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
     return [str(CSRC / n) for n in names]
@@ -84,13 +91,12 @@ def jit_build_dir(with_cuda: bool) -> Path:
 
 def jit_load(verbose: bool = False) -> str:
     """Compile (once; ninja reuses the cached objects) and load the extension; returns the build dir."""
-    import torch
     from torch.utils import cpp_extension
 
     missing = [s for s in sources(False) if not os.path.exists(s)]
     if missing:
         raise FileNotFoundError(f"csrc sources not found (non-editable install?): {missing}")
-    with_cuda = cuda_build_possible() and torch.cuda.is_available()
+    with_cuda = jit_with_cuda()
     build_dir = jit_build_dir(with_cuda)
     os.environ.setdefault("MAX_JOBS", "2")
     cpp_extension.load(

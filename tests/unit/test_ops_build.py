@@ -37,7 +37,7 @@ def test_setup_extension_description():
 def test_jit_build_is_cached():
     if not _backend.extension_available():
         pytest.skip(f"csrc extension unavailable: {_backend.extension_error()}")
-    out = Path(build.jit_build_dir(with_cuda=False))
+    out = Path(build.jit_build_dir(with_cuda=build.jit_with_cuda()))
     libs = list(out.glob("*.so"))
     assert libs, f"no library in {out}"
     before = {p: p.stat().st_mtime_ns for p in libs}

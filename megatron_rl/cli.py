@@ -29,7 +29,7 @@ COMMANDS: dict[str, Command] = {
                          module="translate"),
     "estimate": Command("per-GPU memory per role and throughput estimate of a config", module="estimate"),
     "plot": Command("plot the metrics of a run directory to PNG", module="plot"),
-    "simulate": Command("discrete-event simulation of the async pipeline at scale", issue=8),
+    "simulate": Command("discrete-event simulation of the async pipeline at scale", module="simulate"),
     "config": Command("print the resolved config (defaults, YAML file and overrides)", module="config_cmd"),
     "doctor": Command("report the environment: versions, devices, CPU shims, sandbox", module="doctor"),
 }

@@ -1,0 +1,116 @@
+"""`megatron-rl simulate`: discrete-event simulation of the async pipeline vs the synchronous baseline.
+
+    megatron-rl simulate --generators 8 --n-async 512 --n-batch 256 --n-mini 4 --group 16 \
+        --peak-tok-s 3000 --c-half 32 --train-a 5 --train-b 2e-4 --push-s 2 \
+        --lengths pareto:low=500,ratio=5,alpha=1.2 [--calibrate RUN_DIR] [--json out.json]
+
+Prints one table row per mode and the async / sync throughput ratio; `--calibrate` first fits the
+trainer, push and generator rates to RUN_DIR/metrics.jsonl (flags given explicitly still win).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from megatron_rl.control.simulate import DecodeModel, SimParams, compare, parse_lengths
+
+COLUMNS = [("sequences_per_s", "seq/s", ".3g"), ("tokens_per_s", "tok/s", ".4g"),
+           ("generator_util", "gen util", ".1%"), ("trainer_util", "train util", ".1%"),
+           ("staleness_mean", "stale mean", ".2f"), ("staleness_p95", "p95", ".1f"),
+           ("staleness_max", "max", "d"), ("versions_per_seq_mean", "versions/seq", ".2f"),
+           ("dropped_frac", "dropped", ".1%")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--generators", type=int, default=None, help="generator count (default 1)")
+    a("--n-async", type=int, default=None, help="sequences in flight (default 64)")
+    a("--n-batch", type=int, default=None, help="sequences per trainer update (default 32)")
+    a("--n-mini", type=int, default=None, help="optimizer steps per update (default 4)")
+    a("--group", type=int, default=None, help="samples per problem G (default 16)")
+    a("--peak-tok-s", type=float, default=None, help="one generator's peak decode tokens/s (default 1000)")
+    a("--c-half", type=float, default=None, help="concurrency at half the peak (default 0: constant)")
+    a("--decode-table", default=None, help="measured 'c:tok_s,c:tok_s,...' instead of peak/c-half")
+    a("--prefill-s", type=float, default=None, help="prefill seconds per sequence (stalls its generator)")
+    a("--train-a", type=float, default=None, help="trainer seconds per update, fixed part")
+    a("--train-b", type=float, default=None, help="trainer seconds per token")
+    a("--train-step-s", type=float, default=None, help="trainer seconds per optimizer step")
+    a("--push-s", type=float, default=None, help="weight push seconds (generators paused)")
+    a("--lengths", default=None, help="completion lengths: constant:N | lognormal:mean=,sigma= | "
+                                      "pareto:low=,ratio=,alpha= | uniform:low=,ratio= | empirical:a,b,c")
+    a("--prompt-len", type=int, default=None, help="prompt tokens per sequence (trainer cost)")
+    a("--drop-prob", type=float, default=None, help="probability a group is non-diverse")
+    a("--max-staleness", type=int, default=None, help="staleness bound (-1: unbounded; default 4)")
+    a("--updates", type=int, default=60, help="trainer updates to simulate")
+    a("--warmup", type=int, default=10, help="updates excluded from the figures")
+    a("--seed", type=int, default=0)
+    a("--calibrate", metavar="RUN_DIR", default=None, help="fit rates to RUN_DIR/metrics.jsonl first")
+    a("--json", metavar="PATH", default=None, help="also write inputs and results as JSON ('-': stdout)")
+
+
+def _decode_table(spec: str) -> list[tuple[float, float]]:
+    try:
+        return [(float(c), float(t)) for c, t in (item.split(":") for item in spec.split(",") if item.strip())]
+    except ValueError:
+        raise ValueError(f"--decode-table expects 'c:tok_s,c:tok_s,...', got {spec!r}") from None
+
+
+def build_params(args: argparse.Namespace) -> SimParams:
+    p = SimParams(updates=args.updates, warmup_updates=args.warmup, seed=args.seed)
+    if args.calibrate:
+        from megatron_rl.control.simulate_calibration import calibrate_run
+
+        cal = calibrate_run(args.calibrate, args.generators or p.generators, args.n_async or p.n_async,
+                            prompt_len=args.prompt_len or 0, c_half=args.c_half or 0.0)
+        p = cal.apply(p)
+        if cal.mean_length:
+            p.lengths = parse_lengths(f"lognormal:mean={cal.mean_length},sigma=0.5")
+        print(f"calibrated from {args.calibrate} ({cal.rows} rows): {asdict(cal)}", file=sys.stderr)
+    direct = {"generators": args.generators, "n_async": args.n_async, "n_batch": args.n_batch,
+              "n_mini": args.n_mini, "group": args.group, "prefill_s": args.prefill_s, "train_a_s": args.train_a,
+              "train_b_s": args.train_b, "train_step_s": args.train_step_s, "push_s": args.push_s,
+              "prompt_len": args.prompt_len, "drop_prob": args.drop_prob}
+    for key, value in direct.items():
+        if value is not None:
+            setattr(p, key, value)
+    if args.max_staleness is not None:
+        p.max_staleness = None if args.max_staleness < 0 else args.max_staleness
+    if args.lengths:
+        p.lengths = parse_lengths(args.lengths)
+    if args.decode_table:
+        p.decode = DecodeModel(table=_decode_table(args.decode_table))
+    elif args.peak_tok_s is not None or args.c_half is not None:
+        p.decode = DecodeModel(args.peak_tok_s or p.decode.peak_tok_s,
+                               p.decode.c_half if args.c_half is None else args.c_half)
+    p.validate()
+    return p
+
+
+def format_table(results: dict) -> str:
+    head = f"{'mode':<6}" + "".join(f"{label:>13}" for _, label, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for mode, r in results.items():
+        lines.append(f"{mode:<6}" + "".join(f"{format(getattr(r, k), fmt):>13}" for k, _, fmt in COLUMNS))
+    a, s = results["async"].sequences_per_s, results["sync"].sequences_per_s
+    lines.append(f"async / sync throughput: {a / s:.2f}x")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        params = build_params(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-rl simulate: {e}", file=sys.stderr)
+        return 2
+    results = compare(params)
+    print(format_table(results))
+    if args.json:
+        doc = json.dumps({"params": asdict(params), **{m: r.to_dict() for m, r in results.items()}}, indent=2)
+        if args.json == "-":
+            print(doc)
+        else:
+            with open(args.json, "w") as f:
+                f.write(doc + "\n")
+    return 0

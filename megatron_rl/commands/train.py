@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     cmd = [_mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "megatron_rl.control.main", *rank_args]
     print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # mpiexec forwards the signal; wait for the checkpoint
-        return proc.wait()
+    # mpiexec runs in its own session and gets each SIGINT/SIGTERM exactly once, from us: it forwards
+    # it to the ranks, the controller checkpoints and stops them, and we return its exit status.
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda sig, frame: proc.send_signal(sig))
+    return proc.wait()

@@ -74,6 +74,7 @@ class Controller:
         self._idle_since: float | None = time.time()
         self._pending_rollouts: dict[tuple[str, int], Rollout] = {}  # being graded
         self._awaited: dict[Tag, Any] = {}
+        self._held: list[tuple[int, Tag, Any]] = []  # messages that arrived during an _await
         self._row_ready = False
         self._last_row: dict[str, Any] = {}
         self._batch_stats: dict[str, Any] = {}
@@ -356,15 +357,21 @@ class Controller:
 
     # ================================================================== messages
     def _await(self, tag: Tag, timeout_s: float = 3600.0) -> Any:
-        """Wait for one reply with `tag` from the trainer lead, serving everything else meanwhile."""
+        """Wait for one reply with `tag` from the trainer lead. Other messages are held back and
+        handled afterwards, so a checkpoint's controller state stays exactly what was sent."""
         self._awaited = {tag: None}
         deadline = time.time() + timeout_s
-        while self._awaited[tag] is None:
-            if time.time() > deadline:
-                raise RunFailed(f"no {tag.name} reply from the trainers within {timeout_s:.0f} s")
-            self._poll_messages()
-            self._collect_grades()
-        return self._awaited.pop(tag)
+        try:
+            while self._awaited[tag] is None:
+                if time.time() > deadline:
+                    raise RunFailed(f"no {tag.name} reply from the trainers within {timeout_s:.0f} s")
+                self._poll_messages()
+        finally:
+            reply = self._awaited.pop(tag)
+            held, self._held = self._held, []
+        for source, held_tag, msg in held:
+            self._dispatch(source, held_tag, msg)
+        return reply
 
     def _poll_messages(self, wait_s: float = 0.005) -> None:
         from mpi4py import MPI
@@ -382,6 +389,8 @@ class Controller:
     def _dispatch(self, source: int, tag: Tag, msg: Any) -> None:
         if tag in self._awaited:
             self._awaited[tag] = msg
+        elif self._awaited and tag != Tag.FAILED:
+            self._held.append((source, tag, msg))
         elif tag == Tag.ROLLOUTS:
             self._on_rollouts(source, msg)
         elif tag == Tag.GEN_STATUS:

@@ -1,0 +1,175 @@
+"""The whole asynchronous loop under mpiexec: SGLang generator, Megatron trainer, verifier pool, MPI.
+
+The policy is the tiny Llama after a brief SFT cold start (tests/support/warm_start.py), so it emits
+the `<think>...</think> \\boxed{}` format about half of the time; the reward is the format reward only,
+which a 2-layer model can learn in a few dozen updates. The runs also check the bookkeeping: every
+prompt drawn from the problem stream is either in a completed group or pending in the checkpoint,
+exactly once, through faults (kill -9 of the SGLang server and of a grading process) and through a
+SIGTERM + --resume.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
+from megatron_rl.control.problems import ProblemQueue
+from megatron_rl.data import read_jsonl as read_problems
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_llama_dir, tmp_path_factory):
+    from support.warm_start import addition_problems, sft_tiny_policy
+
+    root = tmp_path_factory.mktemp("policy")
+    problems = addition_problems(root / "problems.jsonl", 600)
+    return sft_tiny_policy(tiny_llama_dir, root / "warm", problems, steps=40), problems
+
+
+def _config(tmp_path: Path, policy, port_base: int, **sections) -> Path:
+    model, problems = policy
+    cfg = {
+        "trainer": {"model": str(model), "precision": "fp32", "lr": 5e-4, "micro_batch_tokens": 1024},
+        "rollout": {"group_size": 8, "n_async": 32, "n_batch": 32, "n_mini": 1, "max_new_tokens": 24,
+                    "max_staleness": 1000},
+        "generator": {"max_total_tokens": 4096, "port_base": port_base},
+        "reward": {"l_max": 64, "l_cache": 16, "language_check": False, "format_reward": 1.0,
+                   "correct_reward": 0.0, "verifier_workers": 1},
+        "data": {"source": "jsonl", "path": str(problems), "system_prompt": "short"},
+        "run": {"output_dir": str(tmp_path / "run"), "updates": 12, "checkpoint_every": 0},
+    }
+    for section, values in sections.items():
+        cfg[section].update(values)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _launch(config: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", str(config), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def _wait_for_updates(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while len(read_jsonl(run_dir / METRICS_FILE)) < n:
+        assert proc.poll() is None, proc.stdout.read()[-5000:]
+        assert time.time() < deadline, f"fewer than {n} updates in {timeout_s} s"
+        time.sleep(0.5)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def _controller_state(run_dir: Path) -> dict:
+    from megatron_rl.train.checkpoint import read_common
+
+    return read_common(run_dir / "checkpoints")["extra"]["user"]["controller"]
+
+
+def _assert_every_prompt_accounted_once(run_dir: Path, problems: Path, seed: int = 0) -> None:
+    """Prompts drawn = completed groups + groups pending in the last checkpoint, each exactly once."""
+    state = _controller_state(run_dir)
+    events = read_jsonl(run_dir / EVENTS_FILE)
+    group_ids = [e["group_id"] for e in events]
+    assert len(group_ids) == len(set(group_ids)), "a group completed twice"
+    queue = ProblemQueue(read_problems(problems), seed=seed)
+    drawn = [queue.next().problem_id for _ in range(state["queue"]["issued"])]
+    pending = [g["problem"]["problem_id"] for g in state["budget"]["groups"]]
+    assert not state["queue"]["requeued"]
+    assert sorted([e["problem_id"] for e in events] + pending) == sorted(drawn)
+
+
+def _rewards(run_dir: Path) -> list[tuple[float, float]]:
+    return [(r["reward/mean"], r["rollouts"]) for r in read_jsonl(run_dir / METRICS_FILE)]
+
+
+def _weighted_mean(rows) -> float:
+    return sum(r * n for r, n in rows) / sum(n for _, n in rows)
+
+
+def _pids(match) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        try:
+            if match(p):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def test_reward_rises_through_generator_and_verifier_crashes(tmp_path, policy, free_port):
+    port = 31000 + free_port % 2000
+    config = _config(tmp_path, policy, port, run={"output_dir": str(tmp_path / "run"), "updates": 24})
+    run_dir = tmp_path / "run"
+    proc = _launch(config)
+    _wait_for_updates(proc, run_dir, 6)
+    server = _pids(lambda p: "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and
+                   f"--port {port}" in " ".join(p.info["cmdline"] or []))
+    assert server, "SGLang server process not found"
+    os.kill(server[0].pid, signal.SIGKILL)
+    _wait_for_updates(proc, run_dir, 10)
+    controller = _pids(lambda p: "megatron_rl.control.main" in " ".join(p.info["cmdline"] or []) and
+                       any("multiprocessing" in " ".join(c.cmdline()) for c in p.children()))
+    assert controller, "controller rank with grading workers not found"
+    grader = [c for c in controller[0].children() if "multiprocessing" in " ".join(c.cmdline())][0]
+    os.kill(grader.pid, signal.SIGKILL)
+    _finish(proc)
+
+    rows = read_jsonl(run_dir / METRICS_FILE)
+    assert [r["update"] for r in rows] == list(range(1, 25))
+    assert all(r["version"] == r["update"] for r in rows)
+    rewards = _rewards(run_dir)
+    first, last = _weighted_mean(rewards[:5]), _weighted_mean(rewards[-5:])
+    assert last > first, f"mean reward did not rise: first updates {first:.3f}, last {last:.3f}"
+    assert any(r.get("versions_per_sequence/mean", 1) > 1 for r in rows), "no sequence spanned an update"
+    _assert_every_prompt_accounted_once(run_dir, policy[1])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates"] == 24 and not summary["stopped_early"]
+
+
+def test_sigterm_checkpoints_and_resume_loses_and_repeats_nothing(tmp_path, policy, free_port):
+    port = 33000 + free_port % 2000
+    config = _config(tmp_path, policy, port, run={"output_dir": str(tmp_path / "run"), "updates": 8})
+    run_dir = tmp_path / "run"
+    proc = _launch(config)
+    _wait_for_updates(proc, run_dir, 3)
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler would: every rank gets it
+    out = _finish(proc)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["updates"] < 8, out[-3000:]
+    stopped_at = summary["updates"]
+    _assert_every_prompt_accounted_once(run_dir, policy[1])
+
+    again = _launch(config)  # without --resume the run directory is protected
+    out = _finish_failing(again)
+    assert "--resume" in out
+    _finish(_launch(config, "--resume"))
+    rows = read_jsonl(run_dir / METRICS_FILE)
+    assert [r["update"] for r in rows] == list(range(1, 9))
+    assert json.loads((run_dir / "summary.json").read_text())["updates"] == 8
+    assert _controller_state(run_dir)["updates_done"] == 8 > stopped_at
+    _assert_every_prompt_accounted_once(run_dir, policy[1])
+
+
+def _finish_failing(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    return out

@@ -79,6 +79,7 @@ class SimResult:
     sequences_per_s: float  # trained
     tokens_per_s: float  # trained completion tokens
     generated_tokens_per_s: float
+    # staleness of a trained sequence: trainer version when batched - version of its oldest token
     staleness_mean: float
     staleness_p50: float
     staleness_p95: float

@@ -296,7 +296,8 @@ class Controller:
             self._broadcast(self.layout.trainer_ranks, PushRequest(self.version, targets), Tag.PUSH)
             return
         self.phase = "idle"  # all stamped the new version and continue generating
-        self.push_needed = False
+        # A generator restarted during the update serves its disk weights: push again.
+        self.push_needed = any(self.gen_status[r].version != self.version for r in self._alive_generators())
         self._idle_since = time.time()
         if self.last_train_metrics:
             self._write_metrics()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_rl.config import Config
 from megatron_rl.control.protocol import GenerateRequest, GeneratorStatus, RolloutsReport, SampleSpec, Tag, WorkerFailure
+from megatron_rl.rollout.client import ServerUnreachable
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 
@@ -50,10 +51,10 @@ def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path,
                 if tag == Tag.GENERATE:
                     _submit(gen, msg)
                 elif tag == Tag.UPDATE_BEGIN:
-                    gen.begin_update()
+                    _with_live_server(gen, gen.begin_update)
                     comm.send(_status(gen), dest=0, tag=Tag.UPDATE_READY)
                 elif tag == Tag.UPDATE_FINISH:
-                    gen.finish_update(int(msg))
+                    _with_live_server(gen, lambda: gen.finish_update(int(msg)), retry=False)
                     comm.send(_status(gen), dest=0, tag=Tag.UPDATE_DONE)
             finished = []
             item = gen.get(timeout=poll_s)
@@ -81,6 +82,20 @@ def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path,
         _wait_for_stop(comm)
     finally:
         gen.close()
+
+
+def _with_live_server(gen: Generator, action, retry: bool = True) -> None:
+    """Run an update step; if the server died meanwhile, relaunch it (its unfinished samples are
+    re-issued by the Generator) and, with `retry`, run the step on the new incarnation. The status
+    sent next tells the controller the server serves disk weights: it pushes the current ones."""
+    try:
+        action()
+    except ServerUnreachable:
+        if gen.server.healthy():
+            raise
+        gen.restart()
+        if retry:
+            action()
 
 
 def _submit(gen: Generator, request: GenerateRequest) -> None:

@@ -12,7 +12,8 @@ Sync: issue the groups of one batch, wait for all of them, train, push. Async: k
 sequences in flight; the trainer (a thread) trains whenever `n_batch` are ready, then pushes while
 generation continues. Throughput = trained sequences (tokens) / wall time over updates after
 `--warmup`. The simulator (`megatron_rl.control.simulate`) is then calibrated on this run's
-measured rates (a decode table measured at several concurrencies, the trainer's time per token,
+measured rates (decode tokens/s measured at several concurrencies and fitted with
+peak * c / (c + c_half), the trainer's time per update against its tokens,
 the push time) and its async / sync ratio is printed next to the measured one.
 
     .venv/bin/python benchmarks/async_vs_sync.py            # ~3 minutes on 2 cores
@@ -45,6 +46,7 @@ class ModeResult:
     train: list[tuple[int, float]] = field(default_factory=list)  # (tokens incl. prompt, seconds)
     push: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
+    dropped_frac: float = 0.0  # groups dropped as stale / groups completed (whole phase)
 
     @property
     def seq_s(self) -> float:
@@ -127,6 +129,7 @@ class Bench:
             if u + 1 == warmup:
                 t_start = time.perf_counter()
         res.seconds = time.perf_counter() - t_start
+        res.dropped_frac = budget.counters.groups_dropped_stale / max(1, budget.counters.groups_completed)
         return res
 
     def run_async(self, updates: int, warmup: int) -> ModeResult:
@@ -170,6 +173,7 @@ class Bench:
         finally:
             stop.set()
             worker.join()
+        res.dropped_frac = budget.counters.groups_dropped_stale / max(1, budget.counters.groups_completed)
         while budget.in_flight:  # drain so the next phase starts on an idle server
             self._graded(budget, timeout=600)
         return res
@@ -203,7 +207,11 @@ def simulated(args, table, prefill_s: float, sync: ModeResult, asyn: ModeResult)
 
     pairs = sync.train + asyn.train
     a, b = fit_line([float(t) for t, _ in pairs], [s for _, s in pairs])
-    p = SimParams(generators=1, decode=DecodeModel(table=table), prefill_s=prefill_s, train_a_s=a, train_b_s=b,
+    # smooth the (noisy, shared-machine) table with tok_s(c) = peak c / (c + c_half), i.e. the line
+    # 1/tok_s = 1/peak + (c_half/peak) (1/c)
+    inv_peak, slope = fit_line([1 / c for c, _ in table], [1 / t for _, t in table], min_spread=0.0)
+    decode = DecodeModel(1 / inv_peak, slope / inv_peak) if inv_peak > 0 else DecodeModel(table=table)
+    p = SimParams(generators=1, decode=decode, prefill_s=prefill_s, train_a_s=a, train_b_s=b,
                   push_s=statistics.median(sync.push + asyn.push), n_async=args.n_async, n_batch=args.n_batch,
                   n_mini=args.n_mini, group=args.group, prompt_len=args.prompt_len,
                   lengths=LengthDist("pareto", low=args.low, ratio=args.ratio, alpha=args.alpha),
@@ -281,14 +289,16 @@ def main() -> None:
           f"max_staleness={args.max_staleness}, completion lengths Pareto(alpha={args.alpha}) on "
           f"[{args.low}, {int(args.low * args.ratio)}], prompt {args.prompt_len}; "
           f"{args.updates - args.warmup} measured updates per mode")
-    print(f"fitted: trainer {params.train_a_s:.3f} s + {params.train_b_s * 1e3:.3f} ms/token, push "
+    d = params.decode
+    curve = f"{d.peak_tok_s:.0f} c / (c + {d.c_half:.1f}) tok/s" if not d.table else "the measured table"
+    print(f"fitted: decode {curve}, trainer {params.train_a_s:.3f} s + {params.train_b_s * 1e3:.3f} ms/token, push "
           f"{params.push_s:.3f} s, start-up {params.prefill_s * 1e3:.1f} ms/sequence")
-    print(f"{'':10}{'seq/s':>9}{'tok/s':>9}{'staleness mean/max':>20}{'sim seq/s':>11}{'sim gen util':>13}"
-          f"{'sim train util':>15}")
+    print(f"{'':10}{'seq/s':>9}{'tok/s':>9}{'staleness mean/max':>20}{'stale drops':>12}{'sim seq/s':>11}"
+          f"{'sim drops':>10}{'sim gen util':>13}{'sim train util':>15}")
     for name, m, s in (("sync", sync, sim["sync"]), ("async", asyn, sim["async"])):
         stale = f"{statistics.fmean(m.staleness):.2f}/{max(m.staleness)}"
-        print(f"{name:10}{m.seq_s:9.2f}{m.tok_s:9.0f}{stale:>20}{s.sequences_per_s:11.2f}{s.generator_util:13.1%}"
-              f"{s.trainer_util:15.1%}")
+        print(f"{name:10}{m.seq_s:9.2f}{m.tok_s:9.0f}{stale:>20}{m.dropped_frac:12.1%}{s.sequences_per_s:11.2f}"
+              f"{s.dropped_frac:10.1%}{s.generator_util:13.1%}{s.trainer_util:15.1%}")
     print(f"async / sync sequences/s: measured {asyn.seq_s / sync.seq_s:.2f}x, simulated "
           f"{sim['async'].sequences_per_s / sim['sync'].sequences_per_s:.2f}x "
           f"(tokens/s: measured {asyn.tok_s / sync.tok_s:.2f}x, simulated "

@@ -64,8 +64,13 @@ class ModelSource:
 
     def config(self):
         from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        return AutoConfig.from_pretrained(self.path, **self._kwargs())
+        config = AutoConfig.from_pretrained(self.path, **self._kwargs())
+        if not getattr(config, "architectures", None):  # GGUF configs carry none; SGLang needs it
+            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            config.architectures = [arch] if arch else None
+        return config
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CPU demo: Magistral's recipe end to end on one 2-core machine, on SmolLM2-135M-Instruct.
+#   1. data      two-digit additions (RL problems) and worked traces (SFT cold start)
+#   2. sft       cold start with the Megatron trainer (megatron-rl sft), then an HF export for SGLang
+#   3. rl        asynchronous GRPO (megatron-rl train): SGLang generator, Megatron trainer, verifier
+#                pool, MPI controller; in-flight weight updates after every trainer update
+#   4. plot      runs/cpu_demo/rl/curves.png and the reward before/after
+# Steps already done are skipped (delete runs/cpu_demo to start over; RUN_DIR=... to use another).
+# Extra arguments are config overrides for the RL step, e.g. run.updates=10.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+RUN="${RUN_DIR:-runs/cpu_demo}"
+CFG=examples/cpu_demo.yaml
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+stamp() { printf '\n=== %s  [%s]\n' "$1" "$(date +%H:%M:%S)"; }
+
+stamp "1/4 data"
+[[ -f "$RUN/data/sft.jsonl" ]] || python examples/cpu_demo_data.py "$RUN/data"
+
+stamp "2/4 SFT cold start (Megatron trainer) + export to HF"
+if [[ ! -f "$RUN/sft-hf/config.json" ]]; then
+  [[ -e "$RUN/sft/checkpoints/latest" ]] || megatron-rl sft "$CFG" trainer.lr=5e-5 "run.output_dir=$RUN/sft" \
+      --data "$RUN/data/sft.jsonl" --batch-size 8 --epochs 1
+  megatron-rl convert to-hf "$RUN/sft/checkpoints" "$RUN/sft-hf" --hf-config smollm2-135m
+fi
+
+stamp "3/4 asynchronous RL"
+RL_ARGS=("$CFG" "trainer.model=$RUN/sft-hf" "data.path=$RUN/data/problems.jsonl" "run.output_dir=$RUN/rl" "$@")
+if [[ -e "$RUN/rl/checkpoints/latest" ]]; then
+  megatron-rl train "${RL_ARGS[@]}" --resume
+else
+  megatron-rl train "${RL_ARGS[@]}"
+fi
+
+stamp "4/4 results"
+megatron-rl plot "$RUN/rl"
+python - "$RUN/rl/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+k = max(1, len(rows) // 4)
+def mean(rs, key):
+    return sum(r[key] * r["rollouts"] for r in rs) / sum(r["rollouts"] for r in rs)
+for key in ("reward/mean", "pass_rate", "reward/format_ok"):
+    print(f"{key:18s} first {k} updates {mean(rows[:k], key):.3f} -> last {k} updates {mean(rows[-k:], key):.3f}")
+PY

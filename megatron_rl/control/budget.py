@@ -91,7 +91,12 @@ class RolloutBudget:
         return sum(self.cfg.group_size - len(g.rollouts) for g in self.groups.values())
 
     def free_group_slots(self) -> int:
-        """How many new groups fit in the n_async budget right now."""
+        """How many new groups fit in the n_async budget right now.
+
+        With stale_policy=drop, no new group starts while (max_staleness + 1) batches are already
+        waiting for the trainer: anything sampled now would be dropped as stale before its turn."""
+        if self.cfg.stale_policy == "drop" and len(self.ready) >= self.cfg.n_batch * (self.cfg.max_staleness + 1):
+            return 0
         return max(0, (self.cfg.n_async - self.in_flight) // self.cfg.group_size)
 
     def start_group(self, problem: Problem) -> list[SampleRequest]:

@@ -214,7 +214,9 @@ class _Sim:
     def _fill(self) -> None:
         p = self.p
         if self.mode == "async":
-            while p.n_async - self.in_flight >= p.group:
+            # As control/budget.py: no new group while (max_staleness + 1) batches already wait.
+            cap = None if p.max_staleness is None else p.n_batch * (p.max_staleness + 1)
+            while p.n_async - self.in_flight >= p.group and (cap is None or len(self.ready) < cap):
                 self._start_group()
         elif self.in_flight == 0 and self.phase == "idle" and len(self.ready) < p.n_batch:
             for _ in range(math.ceil((p.n_batch - len(self.ready)) / p.group)):

@@ -131,3 +131,16 @@ def test_length_schedule():
     assert [max_new_tokens_at(stages, u) for u in (0, 9, 10, 29, 30, 99)] == [128, 128, 256, 256, 512, 512]
     with pytest.raises(ValueError, match="UPDATE:TOKENS"):
         parse_length_schedule(["abc"], 1)
+
+
+def test_no_new_groups_while_enough_batches_wait_to_go_stale():
+    b = _budget(n_batch=4, n_mini=1, max_staleness=1, n_async=8)
+    for i in range(2):
+        _complete(b, _problem(i), [0, 1, 0, 1])
+    assert len(b.ready) == 8 and b.in_flight == 0 and b.free_group_slots() == 0
+    b.take_batch(0)
+    assert b.free_group_slots() == 2
+    reweight = _budget(n_batch=4, n_mini=1, max_staleness=1, n_async=8, stale_policy="reweight")
+    for i in range(2):
+        _complete(reweight, _problem(i), [0, 1, 0, 1])
+    assert reweight.free_group_slots() == 2

@@ -14,16 +14,19 @@ from megatron_rl.data.prompts import get_template, render_prompt_ids
 from megatron_rl.records import Problem
 
 
-def addition_problem(index: int, a: int, b: int) -> Problem:
-    prompt = f"What is {a} + {b}?"
+PROMPT = "What is {a} + {b}?"
+
+
+def addition_problem(index: int, a: int, b: int, prompt_format: str = PROMPT) -> Problem:
+    prompt = prompt_format.format(a=a, b=b)
     return Problem(f"add-{index}", prompt, {"kind": "math", "answer": str(a + b), "problem": prompt})
 
 
-def addition_problems(path: Path, n: int, max_operand: int = 99, seed: int = 0) -> Path:
+def addition_problems(path: Path, n: int, max_operand: int = 99, seed: int = 0, prompt_format: str = PROMPT) -> Path:
     rng = random.Random(seed)
     with Path(path).open("w") as f:
         for i in range(n):
-            p = addition_problem(i, rng.randint(0, max_operand), rng.randint(0, max_operand))
+            p = addition_problem(i, rng.randint(0, max_operand), rng.randint(0, max_operand), prompt_format)
             f.write(json.dumps({"id": p.problem_id, "prompt": p.prompt, "answer": p.task["answer"]}) + "\n")
     return Path(path)
 

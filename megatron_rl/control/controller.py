@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from megatron_rl.config import Config
 from megatron_rl.control.budget import RolloutBudget
 from megatron_rl.control.grading import LocalGrader
 from megatron_rl.control.layout import RankLayout
-from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, rollout_stats
+from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow
 from megatron_rl.control.problems import ProblemQueue, max_new_tokens_at, parse_length_schedule
 from megatron_rl.control.protocol import (GenerateRequest, GeneratorStatus, GradeItem, PushRequest, RolloutsReport,
                                           SampleSpec, SaveRequest, Tag, WorkerFailure)
@@ -33,17 +32,6 @@ from megatron_rl.records import Problem, Rollout
 
 class RunFailed(RuntimeError):
     """A worker failed in a way the run cannot recover from; the message says which and why."""
-
-
-@dataclass
-class _Window:
-    """What happened since the last update (for the metrics line)."""
-
-    graded: list[Rollout] = field(default_factory=list)
-    gen_idle_s: float = 0.0
-    gen_busy_s: float = 0.0
-    trainer_idle_s: float = 0.0
-    t0: float = field(default_factory=time.time)
 
 
 class Controller:
@@ -66,7 +54,7 @@ class Controller:
         self.prompt_ids: dict[str, list[int]] = {}  # group id -> prompt token ids
         self.grader = LocalGrader(cfg.reward) if layout.verifiers == 0 else None
         self._verifier_next = 0
-        self.window = _Window()
+        self.window = UpdateWindow()
         self.metrics = JsonlWriter(run_dir / METRICS_FILE)
         self.events = JsonlWriter(run_dir / EVENTS_FILE)
         self.stop_requested = False
@@ -324,22 +312,9 @@ class Controller:
 
     # ================================================================== metrics
     def _write_metrics(self) -> None:
-        w = self.window
-        wall = max(1e-9, time.time() - w.t0)
-        row: dict[str, Any] = {"update": self.updates_done, "version": self.version, "time": time.time(),
-                               "wall_s": wall}
-        row.update(rollout_stats(w.graded, self.version))
-        m = self.last_train_metrics
-        for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
-                    "grad_norm", "tokens_per_s", "padding_frac"):
-            if key in m:
-                row[f"train/{key}"] = m[key]
+        row = {"update": self.updates_done, "version": self.version}
+        row.update(self.window.summary(self.version, self.last_train_metrics))
         row.update(self._batch_stats)
-        gen_total = w.gen_idle_s + w.gen_busy_s
-        row["generator_idle_frac"] = w.gen_idle_s / gen_total if gen_total else None
-        row["trainer_idle_frac"] = min(1.0, w.trainer_idle_s / wall)
-        gen_tokens = sum(len(r.completion_ids) for r in w.graded)
-        row["generator_tokens_per_s"] = gen_tokens / wall
         row.update({f"push/{k}": v for k, v in self._last_push.items()})
         c = self.budget.counters
         row.update({"groups/dropped_non_diverse": c.groups_dropped_non_diverse,
@@ -349,7 +324,7 @@ class Controller:
         self.metrics.write(row)
         self._last_row = row
         self._row_ready = True
-        self.window = _Window()
+        self.window = UpdateWindow()
 
     def _progress_info(self) -> dict[str, float]:
         row = self._last_row

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -76,6 +77,33 @@ def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str
         out["staleness/max"] = float(max(stale))
     out["versions_per_sequence/mean"] = sum(len(set(r.weight_versions)) for r in rs) / n
     return out
+
+
+TRAIN_KEYS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
+              "grad_norm", "tokens_per_s", "padding_frac")
+
+
+@dataclass
+class UpdateWindow:
+    """What happened between two trainer updates, summarised into one metrics line."""
+
+    graded: list[Rollout] = field(default_factory=list)
+    gen_idle_s: float = 0.0
+    gen_busy_s: float = 0.0
+    trainer_idle_s: float = 0.0
+    t0: float = field(default_factory=time.time)
+
+    def summary(self, trainer_version: int, train_metrics: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        wall = max(1e-9, now - self.t0)
+        row: dict[str, Any] = {"time": now, "wall_s": wall}
+        row.update(rollout_stats(self.graded, trainer_version))
+        row.update({f"train/{k}": train_metrics[k] for k in TRAIN_KEYS if k in train_metrics})
+        gen_total = self.gen_idle_s + self.gen_busy_s
+        row["generator_idle_frac"] = self.gen_idle_s / gen_total if gen_total else None
+        row["trainer_idle_frac"] = min(1.0, self.trainer_idle_s / wall)
+        row["generator_tokens_per_s"] = sum(len(r.completion_ids) for r in self.graded) / wall
+        return row
 
 
 class Progress:

@@ -1,0 +1,32 @@
+"""Metrics lines: rollout statistics and idle fractions of an update window; JSONL survives a cut line."""
+import pytest
+
+from megatron_rl.control.metrics import JsonlWriter, UpdateWindow, read_jsonl
+from megatron_rl.records import Rollout
+
+
+def _rollout(reward, correct, versions, finish="stop"):
+    n = len(versions)
+    return Rollout("g#1", 0, [1], list(range(n)), [-1.0] * n, versions, finish, reward=reward,
+                   reward_components={"format_ok": 1.0, "correct": correct})
+
+
+def test_window_summary():
+    w = UpdateWindow(graded=[_rollout(1.0, 1.0, [3, 3, 4]), _rollout(0.1, 0.0, [4], "length")],
+                     gen_idle_s=1.0, gen_busy_s=3.0, trainer_idle_s=0.0)
+    row = w.summary(trainer_version=5, train_metrics={"loss": 0.5, "grad_norm": 2.0, "unrelated": 1})
+    assert row["reward/mean"] == pytest.approx(0.55) and row["pass_rate"] == pytest.approx(0.5)
+    assert row["length/mean"] == 2.0 and row["length/max"] == 3.0 and row["finish/length_frac"] == 0.5
+    assert row["staleness/mean"] == pytest.approx((2 + 2 + 1 + 1) / 4) and row["staleness/max"] == 2.0
+    assert row["versions_per_sequence/mean"] == 1.5
+    assert row["generator_idle_frac"] == 0.25 and row["train/loss"] == 0.5 and "train/unrelated" not in row
+
+
+def test_jsonl_reader_skips_a_line_cut_by_a_crash(tmp_path):
+    path = tmp_path / "m.jsonl"
+    w = JsonlWriter(path)
+    w.write({"update": 1, "x": float("nan")})
+    w.close()
+    with path.open("a") as f:
+        f.write('{"update": 2, "x"')
+    assert read_jsonl(path) == [{"update": 1, "x": None}]

@@ -1,55 +1,18 @@
 """Real SGLang CPU server on 127.0.0.1 serving a tiny random Llama: greedy output equals HF transformers'."""
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
 
-from megatron_rl.platform import sglang_cpu_env
-
-
-def _post(url: str, payload: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+from megatron_rl.rollout.server import ServerSpec, SGLangServer
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     from support.net import free_port
 
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("sglang") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_llama_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--max-total-tokens", "2048", "--sleep-on-idle",
-           "--skip-server-warmup", "--dtype", "float32"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=sglang_cpu_env(), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"SGLang server exited {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail("SGLang server did not become healthy in 300 s")
-                time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    spec = ServerSpec(model_path=str(tiny_llama_dir), port=free_port(), max_total_tokens=2048,
+                      log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"),
+                      extra_args=["--dtype", "float32"])
+    with SGLangServer(spec) as srv:
+        yield srv
 
 
 def test_greedy_output_equals_hf_transformers(server, tiny_llama_dir):
@@ -60,7 +23,7 @@ def test_greedy_output_equals_hf_transformers(server, tiny_llama_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     for prompt in ["1 + 1 =", "The quick brown fox", "def add(a, b):"]:
         ids = tok(prompt).input_ids
-        out = _post(f"{server}/generate", {"input_ids": ids, "sampling_params": {
+        out = server.client.generate({"input_ids": ids, "sampling_params": {
             "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}, "return_logprob": True})
         with torch.no_grad():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,

@@ -357,5 +357,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config_from_dict(data, overrides)
 
 
+def load_config_args(config: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """`load_config` for a command line `[CONFIG] [key=value ...]`: a first argument with `=` is an
+    override, not a file (so `megatron-rl sft trainer.lr=1e-5` works without a YAML file)."""
+    overrides = list(overrides)
+    if config is not None and "=" in config:
+        overrides.insert(0, config)
+        config = None
+    return load_config(config, overrides)
+
+
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

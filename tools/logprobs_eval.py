@@ -17,7 +17,7 @@ from pathlib import Path
 def main(argv=None) -> int:
     import torch.distributed as dist
 
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError, load_config_args
     from megatron_rl.train.hf_source import resolve_model
     from megatron_rl.train.sft import read_jsonl, to_sequences, tokenize_record
     from megatron_rl.train.trainer import Trainer
@@ -27,12 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--data", required=True)
     args = p.parse_args(argv)
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        overrides.insert(0, config)
-        config = None
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config_args(args.config, args.overrides)
         records = read_jsonl(args.data)
     except (ConfigError, ValueError, OSError) as e:
         print(f"logprobs_eval: {e}", file=sys.stderr)

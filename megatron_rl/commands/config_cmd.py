@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rl.config import ConfigError, dump_config, load_config
+from megatron_rl.config import ConfigError, dump_config, load_config_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,12 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # only overrides were given
-        overrides.insert(0, config)
-        config = None
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config_args(args.config, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 1

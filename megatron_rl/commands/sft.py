@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, load_config_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +29,8 @@ def main(args: argparse.Namespace) -> int:
     from megatron_rl.train.sft import read_jsonl, run_sft, to_sequences, tokenize_record
     from megatron_rl.train.trainer import Trainer
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        overrides.insert(0, config)
-        config = None
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config_args(args.config, args.overrides)
         records = read_jsonl(args.data)
     except (ConfigError, ValueError, OSError) as e:
         print(f"sft: {e}", file=sys.stderr)

@@ -213,6 +213,8 @@ class Generator:
 
     # ---------------------------------------------------------------- death and recovery
     def _on_unreachable(self, s: Sample, incarnation: int, err: Exception) -> None:
+        if self._closed:  # shutting down: the server was stopped on purpose, never relaunch it
+            return
         with self._recover_lock:
             if self._dead is None and self.server.incarnation == incarnation and not self.server.healthy():
                 if self.on_death == "restart" and self.server.restarts < self.max_restarts:

@@ -131,9 +131,10 @@ class SGLangServer:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the process group, SIGKILL what survives `grace_s`, reap the leader."""
-        if self.proc is None:
+        proc = self.proc  # a local reference: close() and a recovering worker may both stop it
+        if proc is None:
             return
-        pgid = self.proc.pid  # session leader: pgid == pid
+        pgid = proc.pid  # session leader: pgid == pid
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(pgid, sig)
@@ -142,10 +143,11 @@ class SGLangServer:
             if self._group_gone(pgid, wait):
                 break
         try:
-            self.proc.wait(timeout=5)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        self.proc = None
+        if self.proc is proc:
+            self.proc = None
 
     def _group_gone(self, pgid: int, wait_s: float) -> bool:
         deadline = time.monotonic() + wait_s

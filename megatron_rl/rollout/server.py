@@ -57,6 +57,15 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
 
+def _terminate_with_parent() -> None:
+    """In the server child before exec: SIGTERM it if its owner dies (e.g. an MPI rank killed by
+    mpiexec), so no server outlives the job; SGLang's launcher then stops its own children."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def _log_tail(path: Path, n: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -93,7 +102,8 @@ class SGLangServer:
         log.flush()
         # own session: the whole tree (scheduler, detokenizer) is one process group to kill
         self.proc = subprocess.Popen(self.spec.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_terminate_with_parent)
         log.close()
         self.incarnation += 1
         try:

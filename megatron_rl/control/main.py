@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.layout import RankLayout
+from megatron_rl.sync.group import free_port
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,14 +24,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--resume", action="store_true")
     return p.parse_args(argv)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_run(cfg: Config, layout: RankLayout, resume: bool) -> dict:
@@ -49,7 +42,7 @@ def prepare_run(cfg: Config, layout: RankLayout, resume: bool) -> dict:
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     model_dir = generator_model_dir(cfg.trainer.model, cfg.trainer.precision)
     ports = [cfg.generator.port_base + i for i in range(layout.generators)]
-    return {"run_dir": str(run_dir), "model_dir": str(model_dir), "master_port": _free_port(),
+    return {"run_dir": str(run_dir), "model_dir": str(model_dir), "master_port": free_port(),
             "generator_ports": ports, "resume_root": str(ckpt_root) if resume else None}
 
 

@@ -33,8 +33,11 @@ def generator_model_dir(model: str, precision: str = "bf16") -> Path:
         model_hf.save_pretrained(tmp, safe_serialization=True)
         source.tokenizer().save_pretrained(tmp)
         os.rename(tmp, target)
-    except FileExistsError:  # another process won the race: its copy is complete
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+        # another process won the race (rename onto its non-empty dir fails): its copy is complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

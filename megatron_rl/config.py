@@ -171,6 +171,12 @@ class TrainerConfig:
     distributed_optimizer: bool = True
     seed: int = 1234
     sft_epochs: int = 1
+    # Optimizer state layout in checkpoints. fully_reshardable: model-space tensors that load into any
+    # TP/PP/DP layout (gathered over DP while saving). dp_reshardable: each rank's flat shard, the
+    # fastest save, but a TP/PP change then restarts Adam (weights still reshard).
+    checkpoint_optimizer: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    # Metrics: the policy entropy costs one extra read-only pass over the logits per micro-batch.
+    log_entropy: bool = True
 
     def validate(self, key: str) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
@@ -182,6 +188,8 @@ class TrainerConfig:
         _check(self.micro_batch_tokens >= 16, f"{key}.micro_batch_tokens", "must be >= 16")
         _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{key}.adam_beta1",
                "Adam betas must lie in [0, 1)")
+        _check(self.checkpoint_optimizer in ("fully_reshardable", "dp_reshardable"),
+               f"{key}.checkpoint_optimizer", "must be fully_reshardable or dp_reshardable")
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Python face of csrc/: the fused token-normalised clipped loss (Magistral's GRPO objective).
 
 - `fused_clipped_loss(logits, targets, behaviour_logprobs, advantages, mask, eps_low, eps_high,
-  tp_group=None)`: from (vocab-parallel) logits, without a float32 [tokens, vocab] tensor.
+  tp_group=None, *, vocab_size=None, return_logprobs=False, ...)`: from (vocab-parallel, bf16 or fp32)
+  logits, without a float32 [tokens, vocab] tensor; `vocab_size` excludes Megatron's TP vocab padding,
+  `return_logprobs` also hands back the detached per-token logprobs (for ratio/clip metrics).
 - `fused_linear_clipped_loss(hidden, weight, ...)`: from hidden states and the output weight, in token
   chunks, so the logits never exist in full.
-- `token_logprobs(logits, targets, tp_group=None)`: the per-token logprobs alone.
+- `token_logprobs(logits, targets, tp_group=None, vocab_size=None)`: the per-token logprobs alone.
 
 Both losses equal `megatron_rl.algo.loss.clipped_token_loss` on the explicit logprobs (value and
 gradient). Kernels come from csrc/ (built by setup.py with MEGATRON_RL_BUILD_EXT=1, else compiled just

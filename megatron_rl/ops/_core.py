@@ -16,6 +16,8 @@ from torch import Tensor
 
 from megatron_rl.algo.loss import clipped_token_loss
 
+from . import _backend
+
 
 @dataclass
 class TokenInputs:
@@ -31,19 +33,69 @@ class TokenInputs:
 
 @dataclass
 class VocabShard:
-    """Which slice [start, start + size) of the global vocabulary this rank's logits hold."""
+    """Which slice [start, start + size) of the (padded) vocabulary this rank's logits hold, and how
+    many of its leading columns are real (`valid`; the rest is TP padding beyond `vocab_size`)."""
 
     start: int
     size: int
     world: int
     group: object | None
+    valid: int = -1  # -1: all `size` columns
+    vocab_size: int = -1  # real vocabulary; -1: size * world
+
+    def __post_init__(self) -> None:
+        if self.valid < 0:
+            self.valid = self.size
+        if self.vocab_size < 0:
+            self.vocab_size = self.size * self.world
+
+    @property
+    def padded(self) -> bool:
+        return self.valid < self.size
 
     @classmethod
-    def of(cls, local_vocab: int, tp_group) -> "VocabShard":
+    def of(cls, local_vocab: int, tp_group, vocab_size: int | None = None) -> "VocabShard":
         if tp_group is None or dist.get_world_size(tp_group) == 1:
-            return cls(0, local_vocab, 1, None)
-        world = dist.get_world_size(tp_group)
-        return cls(dist.get_rank(tp_group) * local_vocab, local_vocab, world, tp_group)
+            world, rank, group = 1, 0, None
+        else:
+            world, rank, group = dist.get_world_size(tp_group), dist.get_rank(tp_group), tp_group
+        total = local_vocab * world
+        vocab = total if vocab_size is None else int(vocab_size)
+        if not (0 < vocab <= total):
+            raise ValueError(f"vocab_size={vocab} does not fit {world} shard(s) of {local_vocab} columns "
+                             f"(need 0 < vocab_size <= {total})")
+        start = rank * local_vocab
+        # valid may be 0: a shard of nothing but padding (only with tiny vocabularies at large TP)
+        return cls(start, local_vocab, world, group, valid=max(0, min(local_vocab, vocab - start)),
+                   vocab_size=vocab)
+
+
+def real_columns(z: Tensor, shard: VocabShard) -> Tensor:
+    """[N, V_local] -> the real columns [N, valid] as a contiguous tensor in the logits dtype (a copy
+    only on a rank whose shard ends in TP padding; the kernels need dense rows)."""
+    if not shard.padded:
+        return z if z.is_contiguous() else z.contiguous()
+    return z[:, : shard.valid].contiguous()
+
+
+def shard_lse_stats(z_real: Tensor, targets: Tensor, shard: VocabShard):
+    """`_backend.lse_stats` of the real columns; a shard without any gives (-inf, 0, 0) per row,
+    which the TP reduction treats as "no contribution"."""
+    if shard.valid == 0:
+        n = z_real.shape[0]
+        acc = torch.float64 if z_real.dtype == torch.float64 else torch.float32
+        zeros = torch.zeros(n, dtype=acc, device=z_real.device)
+        return torch.full_like(zeros, float("-inf")), zeros, zeros.clone()
+    return _backend.lse_stats(z_real, targets, shard.start)
+
+
+def pad_columns(grad: Tensor, shard: VocabShard) -> Tensor:
+    """Gradient of the real columns -> [N, V_local] with zeros on the padding columns."""
+    if not shard.padded:
+        return grad
+    full = grad.new_zeros(grad.shape[0], shard.size)
+    full[:, : shard.valid] = grad
+    return full
 
 
 def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, mask,

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import _backend
 from ._core import (VocabShard, check_targets, flatten_token_inputs, loss_and_coef, reduce_stats,
-                    resolve_normalizer)
+                    resolve_normalizer, shard_lse_stats)
 
 CHUNK_LOGIT_ELEMENTS = 1 << 26  # default chunk: tokens * V_local <= 64 Mi logits (128 MiB in bf16)
 
@@ -29,23 +29,29 @@ class _FusedLinearClippedLoss(torch.autograd.Function):
         n = x.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = torch.zeros_like(weight) if need_w else None  # TP padding rows keep a zero gradient
+        w = weight[: shard.valid]  # the real vocab rows (a view: rows are contiguous)
+        gw = None if grad_w is None else grad_w[: shard.valid]
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            logits = x[a:b] @ weight.t()  # [chunk, V_local], the only vocab-sized buffer
+            logits = x[a:b] @ w.t()  # [chunk, valid], the only vocab-sized buffer
             targets = tok.targets[a:b]
-            lse, target_logit = reduce_stats(*_backend.lse_stats(logits, targets, shard.start), shard)
+            lse, target_logit = reduce_stats(*shard_lse_stats(logits, targets, shard), shard)
             part, coef = loss_and_coef(target_logit - lse, tok, slice(a, b), eps_low, eps_high,
                                        normalizer, tis_cap, need_h or need_w)
             loss = loss + part.to(loss.dtype)
             if not (need_h or need_w):
                 continue
+            if shard.valid == 0:  # nothing of this rank's vocab is real: zero local gradients
+                if need_h:
+                    grad_x[a:b].zero_()
+                continue
             g = _backend.logits_grad(logits, targets, lse, coef.float(), shard.start, inplace=True)
             if need_h:
-                torch.mm(g, weight, out=grad_x[a:b])
+                torch.mm(g, w, out=grad_x[a:b])
             if need_w:
-                grad_w.addmm_(g.t(), x[a:b])
+                gw.addmm_(g.t(), x[a:b])
         if need_h and shard.group is not None and reduce_grad_hidden:
             dist.all_reduce(grad_x, op=dist.ReduceOp.SUM, group=shard.group)
         ctx.save_for_backward(grad_x, grad_w)
@@ -65,7 +71,8 @@ def fused_linear_clipped_loss(hidden: Tensor, weight: Tensor, targets: Tensor, b
                               eps_high: float = 0.28, tp_group=None, *, normalizer=None,
                               chunk_tokens: int | None = None, reduce_grad_hidden: bool = True,
                               tis_cap: float | None = None,
-                              proximal_logprobs: Tensor | None = None) -> Tensor:
+                              proximal_logprobs: Tensor | None = None,
+                              vocab_size: int | None = None) -> Tensor:
     """Same value and gradient as `fused_clipped_loss(hidden @ weight.T, ...)`, in chunks of tokens.
 
     hidden: `[B, T, H]`; weight: `[V_local, H]` (the output layer; under TP each rank holds vocab rows
@@ -74,6 +81,8 @@ def fused_linear_clipped_loss(hidden: Tensor, weight: Tensor, targets: Tensor, b
     reduce_grad_hidden: under TP, all-reduce the hidden-state gradient (each rank only sees its vocab
         slice). Set False when the caller's graph already does it (Megatron's
         copy_to_tensor_model_parallel_region in front of the output layer).
+    vocab_size: the real vocabulary when the output weight carries TP padding rows (excluded from the
+        softmax, zero gradient); None -> every row is real.
     The weight gradient is accumulated over chunks in the weight dtype (fp32 for fp32 weights).
     Other arguments as in `fused_clipped_loss`. Double backward is not supported.
     """
@@ -86,8 +95,8 @@ def fused_linear_clipped_loss(hidden: Tensor, weight: Tensor, targets: Tensor, b
                         f"and {weight.dtype}/{weight.device}")
     tok = flatten_token_inputs(hidden.shape[:2], targets, behaviour_logprobs, advantages, mask,
                                proximal_logprobs)
-    shard = VocabShard.of(weight.shape[0], tp_group)
-    check_targets(tok, shard.size * shard.world)
+    shard = VocabShard.of(weight.shape[0], tp_group, vocab_size)
+    check_targets(tok, shard.vocab_size)
     if chunk_tokens is None:
         chunk_tokens = max(1, CHUNK_LOGIT_ELEMENTS // weight.shape[0])
     if chunk_tokens < 1:

@@ -4,6 +4,10 @@ Forward: one pass over each row of logits (online log-sum-exp, target logit) -> 
 the reference surrogate on [tokens] values. Backward: d loss / d logits = coef_t * (onehot - softmax),
 written by one kernel in the logits dtype; nothing float32 of size [tokens, vocab] is ever built.
 Saved for backward: the logits (already alive in the caller's graph) and three float32 [tokens].
+
+TP vocab padding (`vocab_size` < V_local * tp): the padded columns are left out of the softmax and get
+a zero gradient. The kernels want dense rows, so only a rank whose shard ends in padding works on a
+copy of its real columns (logits dtype); every other rank uses its logits as they are.
 """
 from __future__ import annotations
 
@@ -11,17 +15,15 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from ._core import (VocabShard, check_targets, flatten_token_inputs, loss_and_coef, reduce_stats,
-                    resolve_normalizer)
+from ._core import (VocabShard, check_targets, flatten_token_inputs, loss_and_coef, pad_columns,
+                    real_columns, reduce_stats, resolve_normalizer, shard_lse_stats)
 
 
 class _FusedClippedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tok, eps_low, eps_high, normalizer, tis_cap, shard, inplace_backward):
-        z = logits.reshape(-1, shard.size)
-        if not z.is_contiguous():
-            z = z.contiguous()
-        row_max, row_sum, target_logit = _backend.lse_stats(z, tok.targets, shard.start)
+        z = real_columns(logits.reshape(-1, shard.size), shard)
+        row_max, row_sum, target_logit = shard_lse_stats(z, tok.targets, shard)
         lse, target_logit = reduce_stats(row_max, row_sum, target_logit, shard)
         logp = target_logit - lse
         need_grad = ctx.needs_input_grad[0]
@@ -29,21 +31,29 @@ class _FusedClippedLoss(torch.autograd.Function):
                                    need_grad)
         if need_grad:
             ctx.save_for_backward(z, tok.targets, lse, coef)
-        ctx.shard, ctx.inplace, ctx.logits_shape = shard, inplace_backward, logits.shape
-        return loss
+        ctx.shard, ctx.logits_shape, ctx.inplace = shard, logits.shape, inplace_backward
+        logp = logp.detach().view(tok.shape)
+        ctx.mark_non_differentiable(logp)
+        return loss, logp
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_logp):
         z, targets, lse, coef = ctx.saved_tensors
-        scaled = (coef * grad_loss.to(coef.dtype)).float()
-        grad = _backend.logits_grad(z, targets, lse, scaled, ctx.shard.start, inplace=ctx.inplace)
+        shard = ctx.shard
+        if shard.valid == 0:
+            grad = z.new_zeros(z.shape[0], shard.size)
+        else:
+            scaled = (coef * grad_loss.to(coef.dtype)).float()
+            grad = pad_columns(_backend.logits_grad(z, targets, lse, scaled, shard.start,
+                                                    inplace=ctx.inplace), shard)
         return grad.view(ctx.logits_shape), None, None, None, None, None, None, None
 
 
 def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,
                        mask: Tensor, eps_low: float = 0.2, eps_high: float = 0.28, tp_group=None, *,
                        normalizer=None, inplace_backward: bool = False, tis_cap: float | None = None,
-                       proximal_logprobs: Tensor | None = None) -> Tensor:
+                       proximal_logprobs: Tensor | None = None, vocab_size: int | None = None,
+                       return_logprobs: bool = False):
     """Scalar loss equal (value and gradient) to
     `clipped_token_loss(log_softmax(logits).gather(targets), behaviour_logprobs, advantages, mask, ...)`.
 
@@ -56,6 +66,12 @@ def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tens
         mask.sum() of this call. tis_cap, proximal_logprobs: as in `clipped_token_loss`.
     inplace_backward: write the gradient into the logits buffer (saves one logits-sized tensor; the
         logits must not be used by anything else after backward, autograd checks saved uses).
+    vocab_size: the real vocabulary when the logits carry TP padding (Megatron pads the vocab to a
+        multiple of tp): columns at or beyond it are excluded from the softmax and get zero gradient.
+        None -> every column is real.
+    return_logprobs: also return the detached per-token logprobs `[B, T]` (float32; float64 for float64
+        logits) that the forward computed
+        (for ratio/clip statistics without a second pass): `(loss, logprobs)`.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V_local], got shape {tuple(logits.shape)}")
@@ -63,20 +79,22 @@ def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tens
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     tok = flatten_token_inputs(logits.shape[:2], targets, behaviour_logprobs, advantages, mask,
                                proximal_logprobs)
-    shard = VocabShard.of(logits.shape[-1], tp_group)
-    check_targets(tok, shard.size * shard.world)
+    shard = VocabShard.of(logits.shape[-1], tp_group, vocab_size)
+    check_targets(tok, shard.vocab_size)
     norm = resolve_normalizer(tok.mask, normalizer)
-    return _FusedClippedLoss.apply(logits, tok, eps_low, eps_high, norm, tis_cap, shard, inplace_backward)
+    loss, logp = _FusedClippedLoss.apply(logits, tok, eps_low, eps_high, norm, tis_cap, shard,
+                                         inplace_backward)
+    return (loss, logp) if return_logprobs else loss
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, tp_group=None) -> Tensor:
+def token_logprobs(logits: Tensor, targets: Tensor, tp_group=None, vocab_size: int | None = None) -> Tensor:
     """Detached per-token logprobs `[B, T]` (float32) of `targets` with the same fused kernels."""
     if logits.dim() != 3 or tuple(targets.shape) != tuple(logits.shape[:2]):
         raise ValueError(f"need logits [B, T, V] and targets [B, T], got {tuple(logits.shape)}, "
                          f"{tuple(targets.shape)}")
-    shard = VocabShard.of(logits.shape[-1], tp_group)
+    shard = VocabShard.of(logits.shape[-1], tp_group, vocab_size)
     with torch.no_grad():
-        z = logits.reshape(-1, shard.size).contiguous()
-        stats = _backend.lse_stats(z, targets.reshape(-1).to(torch.int64).contiguous(), shard.start)
+        z = real_columns(logits.reshape(-1, shard.size), shard)
+        stats = shard_lse_stats(z, targets.reshape(-1).to(torch.int64).contiguous(), shard)
         lse, target_logit = reduce_stats(*stats, shard)
     return (target_logit - lse).view(targets.shape)

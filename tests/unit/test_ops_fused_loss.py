@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_rl.algo.loss import clipped_token_loss, clipped_token_loss_with_stats
-from megatron_rl.ops import _backend, fused_clipped_loss, token_logprobs
+from megatron_rl.ops import _backend, fused_clipped_loss, fused_linear_clipped_loss, token_logprobs
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 # (advantage sign, ratio) per regime; None = masked token
@@ -196,3 +196,62 @@ def test_missing_extension_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", "ext")
     with pytest.raises(RuntimeError, match="no compiler"):
         fused(*case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_padding_columns_are_excluded(backend, dtype):
+    """TP vocab padding: columns >= vocab_size leave the softmax and get zero gradient. They hold
+    large logits here, so including any of them would change the loss visibly."""
+    vocab, pad = 97, 5
+    logits, targets, behaviour, adv, mask = make_case(torch.float32, V=vocab, seed=9)
+    padded = torch.cat([logits, torch.full(logits.shape[:2] + (pad,), 6.0)], -1).to(dtype)
+    ref_loss, ref_grad = reference(padded[..., :vocab].float(), targets, behaviour, adv, mask)
+    z = padded.clone().requires_grad_(True)
+    loss, logp = fused_clipped_loss(z, targets, behaviour, adv, mask, EPS_LOW, EPS_HIGH, vocab_size=vocab,
+                                    return_logprobs=True)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3 * ref_grad.abs().max().item()
+    torch.testing.assert_close(z.grad[..., :vocab].float(), ref_grad, rtol=tol, atol=tol)
+    assert torch.count_nonzero(z.grad[..., vocab:]) == 0 and z.grad.dtype == dtype
+    exact = torch.log_softmax(padded[..., :vocab].double(), -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
+    assert not logp.requires_grad and logp.dtype == torch.float32
+    torch.testing.assert_close(logp[mask].double(), exact[mask], rtol=0, atol=2e-5)
+    torch.testing.assert_close(token_logprobs(padded, targets.clamp_min(0), vocab_size=vocab)[mask].double(),
+                               exact[mask], rtol=0, atol=2e-5)
+
+
+def test_vocab_padding_gradcheck_and_bad_vocab_size():
+    logits, targets, behaviour, adv, mask = make_case(torch.float64, B=2, T=6, V=9, seed=10)
+    z = torch.cat([logits, torch.randn(2, 6, 3, dtype=torch.float64)], -1).requires_grad_(True)
+    fn = lambda x: fused_clipped_loss(x, targets, behaviour.double(), adv.double(), mask,  # noqa: E731
+                                      vocab_size=9)
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match="vocab_size=13 does not fit"):
+        fused_clipped_loss(z, targets, behaviour, adv, mask, vocab_size=13)
+    bad = targets.clone()
+    bad[mask] = 10  # a padding column is not a token
+    with pytest.raises(ValueError, match=r"in \[0, 9\)"):
+        fused_clipped_loss(z, bad, behaviour, adv, mask, vocab_size=9)
+
+
+def test_fused_linear_vocab_padding_rows(backend):
+    """The fused-linear loss with zero-initialised padding rows of the output weight (Megatron's TP
+    padding) equals the unpadded loss; the padding rows get zero gradient."""
+    vocab, pad, hidden = 97, 3, 16
+    logits, targets, behaviour, adv, mask = make_case(torch.float32, V=vocab, seed=11)
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(*targets.shape, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / hidden**0.5
+    ref_h, ref_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ref_loss = fused_linear_clipped_loss(ref_h, ref_w, targets, behaviour, adv, mask, EPS_LOW, EPS_HIGH)
+    ref_loss.backward()
+    ph = h.clone().requires_grad_(True)
+    pw = torch.cat([w, torch.zeros(pad, hidden)]).requires_grad_(True)
+    loss = fused_linear_clipped_loss(ph, pw, targets, behaviour, adv, mask, EPS_LOW, EPS_HIGH,
+                                     vocab_size=vocab, chunk_tokens=7)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ph.grad, ref_h.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(pw.grad[:vocab], ref_w.grad, rtol=1e-5, atol=1e-7)
+    assert torch.count_nonzero(pw.grad[vocab:]) == 0

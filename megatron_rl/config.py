@@ -62,7 +62,10 @@ class RewardConfig:
     format_reward: float = 0.1  # granted once the format gate passes
     correct_reward: float = 0.9
     # Soft overlong penalty (DAPO): 0 up to l_max - l_cache, linear to -overlong_penalty at l_max.
-    l_max: int = 4096
+    # null: l_max is the generation cap the rollout was sampled with (rollout.max_new_tokens or its
+    # length_schedule stage), so the penalty follows the cap; a stage may also set its own window.
+    l_max: int | None = 4096
+    # Width of the penalty ramp before l_max (clamped to l_max when l_max is null).
     l_cache: int = 512
     overlong_penalty: float = 0.1
     language_reward: float = 0.1
@@ -78,8 +81,9 @@ class RewardConfig:
     verifier_ranks: int = 0  # MPI ranks dedicated to grading (0: a pool inside the controller rank)
 
     def validate(self, key: str) -> None:
-        _check(self.l_max > 0, f"{key}.l_max", "must be > 0")
-        _check(0 <= self.l_cache <= self.l_max, f"{key}.l_cache", "must lie in [0, l_max]")
+        _check(self.l_max is None or self.l_max > 0, f"{key}.l_max", "must be > 0 or null (= the generation cap)")
+        _check(self.l_cache >= 0, f"{key}.l_cache", "must be >= 0")
+        _check(self.l_max is None or self.l_cache <= self.l_max, f"{key}.l_cache", "must lie in [0, l_max]")
         for name in ("format_reward", "correct_reward", "overlong_penalty", "language_reward"):
             _check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
         for name in ("math_timeout_s", "code_compile_timeout_s", "code_test_timeout_s",
@@ -105,8 +109,13 @@ class RolloutConfig:
     # Bound on (trainer version - oldest token version); older rollouts are handled by stale_policy.
     max_staleness: int = 4
     stale_policy: Literal["drop", "reweight"] = "drop"
-    # Max generation length by stage, "UPDATE:TOKENS" (e.g. ["0:2048", "100:4096"]); empty means
-    # max_new_tokens throughout. The overlong penalty uses reward.l_max / l_cache as configured.
+    # Stages by update index, "UPDATE:TOKENS" or "UPDATE:TOKENS:L_MAX:L_CACHE" (e.g. ["0:2048", "100:4096"]):
+    # from update UPDATE on, requests get max_new_tokens = TOKENS and their rollouts are graded with the
+    # overlong penalty window L_MAX/L_CACHE, else reward.l_max/l_cache (l_max null: = TOKENS). A rollout
+    # keeps the stage it was requested under, even if graded after the switch. Before the first stage
+    # (or with no schedule): max_new_tokens. Checked whenever a schedule is set or reward.l_max is null:
+    # each stage's cap must end its penalty ramp, l_max - l_cache < TOKENS <= l_max (else the penalty
+    # never fires, or fully hits every answer longer than l_max), unless reward.overlong_penalty is 0.
     length_schedule: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
@@ -120,10 +129,98 @@ class RolloutConfig:
         _check(self.temperature > 0, f"{key}.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, f"{key}.top_p", "must lie in (0, 1]")
         _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
+        starts: set[int] = set()
         for i, entry in enumerate(self.length_schedule):
-            parts = entry.split(":")
-            _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts) and int(parts[1]) > 0,
-                   f"{key}.length_schedule[{i}]", f"expected UPDATE:TOKENS, got {entry!r}")
+            try:
+                start = parse_length_entry(entry)[0]
+            except ValueError as e:
+                raise ConfigError(f"{key}.length_schedule[{i}]: {e}") from None
+            _check(start not in starts, f"{key}.length_schedule[{i}]", f"a stage already starts at update {start}")
+            starts.add(start)
+
+
+@dataclass(frozen=True)
+class LengthStage:
+    """One resolved stage of rollout.length_schedule: from update `start` on, requests get
+    `max_new_tokens` and their rollouts are graded with the overlong window (`l_max`, `l_cache`)."""
+
+    start: int
+    max_new_tokens: int
+    l_max: int
+    l_cache: int
+
+
+def parse_length_entry(entry: str) -> tuple[int, int, int | None, int | None]:
+    """"UPDATE:TOKENS[:L_MAX:L_CACHE]" -> (update, tokens, l_max | None, l_cache | None); ValueError if bad."""
+    parts = entry.split(":") if isinstance(entry, str) else []
+    if len(parts) not in (2, 4) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"expected UPDATE:TOKENS or UPDATE:TOKENS:L_MAX:L_CACHE (integers >= 0), got {entry!r}")
+    update, tokens, *window = (int(p) for p in parts)
+    if tokens < 1:
+        raise ValueError(f"TOKENS must be >= 1, got {entry!r}")
+    if not window:
+        return update, tokens, None, None
+    l_max, l_cache = window
+    if l_max < 1:
+        raise ValueError(f"L_MAX must be >= 1, got {entry!r}")
+    if l_cache > l_max:
+        raise ValueError(f"L_CACHE ({l_cache}) must not exceed L_MAX ({l_max}) in {entry!r}")
+    return update, tokens, l_max, l_cache
+
+
+def _length_stages_with_keys(entries: list[str], max_new_tokens: int, reward: RewardConfig,
+                             key: str) -> list[tuple[str, LengthStage, bool]]:
+    """(config key, stage, window inherited from reward) per stage, sorted by start."""
+    raw: dict[int, tuple[str, int, int | None, int | None]] = {}
+    for i, entry in enumerate(entries):
+        k = f"{key}.length_schedule[{i}]"
+        try:
+            start, tokens, l_max, l_cache = parse_length_entry(entry)
+        except ValueError as e:
+            raise ConfigError(f"{k}: {e}") from None
+        _check(start not in raw, k, f"a stage already starts at update {start}")
+        raw[start] = (k, tokens, l_max, l_cache)
+    if 0 not in raw:  # before the first stage: the plain cap
+        raw[0] = (f"{key}.max_new_tokens", max_new_tokens, None, None)
+    out = []
+    for start in sorted(raw):
+        k, tokens, l_max, l_cache = raw[start]
+        inherited = l_max is None
+        if inherited:
+            l_max = tokens if reward.l_max is None else reward.l_max
+            l_cache = min(reward.l_cache, l_max)
+        out.append((k, LengthStage(start, tokens, l_max, l_cache), inherited))  # type: ignore[arg-type]
+    return out
+
+
+def length_stages(entries: list[str], max_new_tokens: int, reward: RewardConfig,
+                  key: str = "rollout") -> list[LengthStage]:
+    """Resolve a length schedule (see RolloutConfig.length_schedule) into stages sorted by start;
+    the first starts at update 0. Raises ConfigError naming the entry on a malformed one."""
+    return [stage for _, stage, _ in _length_stages_with_keys(entries, max_new_tokens, reward, key)]
+
+
+def check_length_penalty(rollout: RolloutConfig, reward: RewardConfig) -> None:
+    """Each stage's cap must end inside its penalty ramp (l_max - l_cache < cap <= l_max): the cap and
+    the penalty agree. Skipped without a schedule and with a fixed reward.l_max (the plain setting of
+    both keys is the user's), and when the penalty is 0."""
+    if reward.overlong_penalty == 0 or (not rollout.length_schedule and reward.l_max is not None):
+        return
+    for k, s, inherited in _length_stages_with_keys(rollout.length_schedule, rollout.max_new_tokens, reward,
+                                                    "rollout"):
+        window = (f"reward.l_max={reward.l_max}, reward.l_cache={reward.l_cache}" if inherited and
+                  reward.l_max is not None else f"l_max={s.l_max}, l_cache={s.l_cache}")
+        fix = ("set reward.l_max: null (the window follows each stage's cap) or give the stage its own "
+               "UPDATE:TOKENS:L_MAX:L_CACHE")
+        if s.l_max - s.l_cache >= s.max_new_tokens:
+            where = "reward.l_cache" if inherited and reward.l_max is None else k
+            raise ConfigError(f"{where}: the stage from update {s.start} caps generation at {s.max_new_tokens} "
+                              f"tokens but its overlong penalty ({window}) starts after {s.l_max - s.l_cache} "
+                              f"tokens, so it never applies; {fix}")
+        _check(s.max_new_tokens <= s.l_max, k,
+               f"the stage from update {s.start} caps generation at {s.max_new_tokens} tokens but its overlong "
+               f"penalty ({window}) ends at {s.l_max}: every answer longer than that gets the full penalty; "
+               f"{fix}")
 
 
 @dataclass
@@ -243,6 +340,7 @@ class Config:
     def validate(self, key: str = "") -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        check_length_penalty(self.rollout, self.reward)  # the one check across two sections
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

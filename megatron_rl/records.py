@@ -37,6 +37,11 @@ class Rollout:
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)
     generator_id: int = 0
+    # Length stage the sample was requested under (rollout.length_schedule): its generation cap and
+    # the overlong-penalty window it is graded with, even when grading happens after a stage switch.
+    max_new_tokens: int | None = None
+    l_max: int | None = None
+    l_cache: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

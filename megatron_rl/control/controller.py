@@ -9,6 +9,10 @@ Event loop, never blocking on any one worker:
   save     every `run.checkpoint_every` updates, at the end, and on SIGTERM/SIGINT: the trainer's
            checkpoint carries this controller's state (budget, problem cursor), so `--resume` loses
            and repeats no prompt.
+Length stages (rollout.length_schedule): each sample is requested with the cap of the stage in force
+when it is issued and graded with that stage's overlong-penalty window, even if graded after a switch
+(the stage is stamped on the Rollout, so checkpointed rollouts keep it). Samples in flight at a
+checkpoint are re-issued on resume, i.e. generated afresh under the stage in force then.
 """
 from __future__ import annotations
 
@@ -18,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import Config
+from megatron_rl.config import Config, LengthStage
 from megatron_rl.control.budget import RolloutBudget
-from megatron_rl.control.grading import LocalGrader
+from megatron_rl.control.grading import LocalGrader, StagedGradeItem
 from megatron_rl.control.layout import RankLayout
-from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow
-from megatron_rl.control.problems import ProblemQueue, max_new_tokens_at, parse_length_schedule
+from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow, stage_metrics
+from megatron_rl.control.problems import ProblemQueue, parse_length_schedule, stage_at
 from megatron_rl.control.protocol import (GenerateRequest, GeneratorStatus, GradeItem, PushRequest, RolloutsReport,
                                           SampleSpec, SaveRequest, Tag, WorkerFailure)
 from megatron_rl.data.prompts import get_template, render_prompt_ids
@@ -41,7 +45,8 @@ class Controller:
         self.queue = ProblemQueue(problems, cfg.data.seed, cfg.data.drop_solved_above)
         self.template = get_template(cfg.data.system_prompt)
         self.tokenizer = tokenizer
-        self.length_stages = parse_length_schedule(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens)
+        self.length_stages = parse_length_schedule(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
+                                                   cfg.reward)
         self.version = 0  # trainer policy version (= number of updates)
         self.updates_done = 0
         self.phase = "idle"  # idle | training | pausing | pushing | finishing
@@ -51,6 +56,7 @@ class Controller:
         self.gen_load: dict[int, int] = {r: 0 for r in layout.generator_ranks}
         self.dead_generators: set[int] = set()
         self.sample_owner: dict[tuple[str, int], int] = {}
+        self.sample_stage: dict[tuple[str, int], LengthStage] = {}  # the stage each sample was issued under
         self.prompt_ids: dict[str, list[int]] = {}  # group id -> prompt token ids
         self.grader = LocalGrader(cfg.reward) if layout.verifiers == 0 else None
         self._verifier_next = 0
@@ -150,8 +156,8 @@ class Controller:
         self.events.close()
 
     # ================================================================== rollouts
-    def _max_new_tokens(self) -> int:
-        return max_new_tokens_at(self.length_stages, self.updates_done)
+    def _stage(self) -> LengthStage:
+        return stage_at(self.length_stages, self.updates_done)
 
     def _fill(self) -> None:
         if self.stop_requested or self.updates_done >= self.cfg.run.updates:
@@ -177,13 +183,15 @@ class Controller:
         for s in specs:
             by_group.setdefault(s.group_id, []).append(s)
         per_rank: dict[int, list[SampleSpec]] = {}
+        stage = self._stage()
         for group in by_group.values():
             rank = min(alive, key=lambda r: self.gen_load[r])
             self.gen_load[rank] += len(group)
             for s in group:
                 self.sample_owner[(s.group_id, s.sample_index)] = rank
+                self.sample_stage[(s.group_id, s.sample_index)] = stage
             per_rank.setdefault(rank, []).extend(group)
-        sampling = {"max_new_tokens": self._max_new_tokens()}
+        sampling = {"max_new_tokens": stage.max_new_tokens}
         for rank, samples in per_rank.items():
             self._send(rank, GenerateRequest(samples, sampling), Tag.GENERATE)
 
@@ -195,13 +203,15 @@ class Controller:
             key = (r.problem_id, r.sample_index)
             if self.sample_owner.pop(key, None) is None:
                 continue  # a duplicate of a sample already re-issued and answered
+            stage = self.sample_stage.pop(key)
             self.gen_load[rank] = max(0, self.gen_load[rank] - 1)
             group = self.budget.groups.get(r.problem_id)
             if group is None:
                 continue
+            r.max_new_tokens, r.l_max, r.l_cache = stage.max_new_tokens, stage.l_max, stage.l_cache
             self._pending_rollouts[key] = r
-            items.append(GradeItem(key, group.problem.task, self.template.assistant_prefix + r.text,
-                                   len(r.completion_ids)))
+            items.append(StagedGradeItem(key, group.problem.task, self.template.assistant_prefix + r.text,
+                                         len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache))
         if items:
             self._submit_grades(items)
 
@@ -319,8 +329,8 @@ class Controller:
         c = self.budget.counters
         row.update({"groups/dropped_non_diverse": c.groups_dropped_non_diverse,
                     "groups/dropped_stale": c.groups_dropped_stale, "groups/completed": c.groups_completed,
-                    "in_flight": self.budget.in_flight, "ready": len(self.budget.ready),
-                    "max_new_tokens": self._max_new_tokens()})
+                    "in_flight": self.budget.in_flight, "ready": len(self.budget.ready)})
+        row.update(stage_metrics(self._stage()))
         self.metrics.write(row)
         self._last_row = row
         self._row_ready = True
@@ -395,6 +405,7 @@ class Controller:
                     for s in [SampleSpec(g, i, self.prompt_ids.get(g, []))]]
             for s in lost:
                 del self.sample_owner[(s.group_id, s.sample_index)]
+                self.sample_stage.pop((s.group_id, s.sample_index), None)
             if self._alive_generators():
                 self._issue([s for s in lost if s.prompt_ids])
                 self._advance_update()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from megatron_rl.config import LengthStage
 from megatron_rl.records import Rollout
 
 METRICS_FILE = "metrics.jsonl"
@@ -71,12 +72,22 @@ def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str
     out["length/mean"] = sum(lengths) / n
     out["length/max"] = float(max(lengths))
     out["finish/length_frac"] = sum(r.finish_reason == "length" for r in rs) / n
+    staged = [r for r in rs if r.max_new_tokens is not None and r.l_max is not None]
+    if staged:  # the length stages these rollouts were requested under (a mix across a switch)
+        out["length/cap_mean"] = sum(r.max_new_tokens for r in staged) / len(staged)  # type: ignore[misc]
+        out["length/l_max_mean"] = sum(r.l_max for r in staged) / len(staged)  # type: ignore[misc]
     stale = [trainer_version - v for r in rs for v in r.weight_versions]
     if stale:
         out["staleness/mean"] = sum(stale) / len(stale)
         out["staleness/max"] = float(max(stale))
     out["versions_per_sequence/mean"] = sum(len(set(r.weight_versions)) for r in rs) / n
     return out
+
+
+def stage_metrics(stage: LengthStage) -> dict[str, int]:
+    """The length stage in force for new requests (cap and overlong-penalty window)."""
+    return {"max_new_tokens": stage.max_new_tokens, "stage/start": stage.start, "stage/l_max": stage.l_max,
+            "stage/l_cache": stage.l_cache}
 
 
 TRAIN_KEYS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",

@@ -1,4 +1,5 @@
-"""The problem stream: epochs over the problem set, re-queued problems, curriculum and length schedule.
+"""The problem stream: epochs over the problem set, re-queued problems, curriculum and length schedule
+(stage lookup: which cap and overlong-penalty window a request issued at a given update gets).
 
 State (cursor, epoch, re-queue, pass rates) is exported for checkpoints, so a resumed run continues
 with the next problem, never repeating or skipping one.
@@ -10,6 +11,7 @@ from collections import deque
 
 from typing import Any
 
+from megatron_rl.config import LengthStage, RewardConfig, length_stages
 from megatron_rl.records import Problem
 
 
@@ -81,30 +83,24 @@ class ProblemQueue:
         self.issued = state["issued"]
 
 
-def parse_length_schedule(entries: list[str], default: int) -> list[tuple[int, int]]:
-    """["0:256", "50:512"] -> [(0, 256), (50, 512)]: max_new_tokens from each update index on."""
-    stages = []
-    for e in entries:
-        try:
-            update, tokens = (int(x) for x in e.split(":"))
-        except ValueError:
-            raise ValueError(f"length schedule entry {e!r}: expected UPDATE:TOKENS") from None
-        if update < 0 or tokens < 1:
-            raise ValueError(f"length schedule entry {e!r}: need UPDATE >= 0 and TOKENS >= 1")
-        stages.append((update, tokens))
-    stages.sort()
-    if not stages or stages[0][0] > 0:
-        stages.insert(0, (0, default))
-    return stages
+def parse_length_schedule(entries: list[str], default: int, reward: RewardConfig | None = None) -> list[LengthStage]:
+    """["0:256", "50:512:512:128"] -> stages sorted by start (the first at update 0, `default` tokens
+    when no entry starts there). Stages without their own L_MAX:L_CACHE take `reward`'s window
+    (reward.l_max null: the stage's cap). The agreement of caps and windows is checked by the config
+    (megatron_rl.config.check_length_penalty), not here."""
+    return length_stages(list(entries), default, reward if reward is not None else RewardConfig())
 
 
-def max_new_tokens_at(stages: list[tuple[int, int]], update: int) -> int:
-    current = stages[0][1]
-    for start, tokens in stages:
-        if update >= start:
-            current = tokens
+def stage_at(stages: list[LengthStage], update: int) -> LengthStage:
+    """The stage in force at `update` (the last one starting at or before it)."""
+    if not stages or stages[0].start != 0:
+        raise ValueError("a length schedule needs a first stage starting at update 0")
+    current = stages[0]
+    for stage in stages:
+        if stage.start <= update:
+            current = stage
     return current
 
 
-
-
+def max_new_tokens_at(stages: list[LengthStage], update: int) -> int:
+    return stage_at(stages, update).max_new_tokens

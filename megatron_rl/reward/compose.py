@@ -1,5 +1,6 @@
 """Magistral's reward composition for one response: format gate -> 0.1 -> +0.9 correct ->
-overlong penalty -> +0.1 language consistency. Every number comes from RewardConfig.
+overlong penalty -> +0.1 language consistency. Every number comes from RewardConfig, except the
+penalty window a caller may override per response (the length stage it was generated under).
 
 math and code verifiers are imported lazily (inside the functions) so this module, and the
 language/format/length parts, import and work on their own.
@@ -56,15 +57,38 @@ def _grade_code(task: CodeTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[b
                     "n_tests": int(result.n_tests)}
 
 
+def penalty_window(cfg: RewardConfig, l_max: int | None = None, l_cache: int | None = None) -> tuple[int, int]:
+    """The (l_max, l_cache) of the overlong penalty: the overrides where given, else the config's.
+    A null config l_max means "the generation cap", which only the caller knows: it must pass l_max.
+    An l_cache taken from the config is clamped to l_max."""
+    if l_max is None:
+        l_max = cfg.l_max
+        if l_max is None:
+            raise ValueError("reward.l_max is null (the penalty follows the generation cap): pass l_max, the "
+                             "max_new_tokens this response was generated with")
+    if l_cache is None:
+        l_cache = min(cfg.l_cache, l_max)
+    for name, v in (("l_max", l_max), ("l_cache", l_cache)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    if l_max < 1 or not 0 <= l_cache <= l_max:
+        raise ValueError(f"need l_max >= 1 and 0 <= l_cache <= l_max, got l_max={l_max}, l_cache={l_cache}")
+    return l_max, l_cache
+
+
 def score(task: dict | Task, response: str, config: RewardConfig | None = None,
-          num_tokens: int | None = None) -> RewardBreakdown:
+          num_tokens: int | None = None, *, l_max: int | None = None,
+          l_cache: int | None = None) -> RewardBreakdown:
     """Grade one response. ``num_tokens`` is the completion length in tokens for the overlong
     penalty; when None it is estimated from the text (megatron_rl.reward.length.estimate_tokens).
+    ``l_max`` / ``l_cache`` override the config's penalty window for this response (the length stage
+    it was generated under); the config itself is never modified.
 
     Raises TaskError on a task dict that does not follow megatron_rl.reward.types.
     """
     start = time.perf_counter()
     cfg = config if config is not None else RewardConfig()
+    window = penalty_window(cfg, l_max, l_cache)
     parsed = parse_task(task)
     if not isinstance(response, str):
         raise TypeError(f"response must be a string, got {type(response).__name__}")
@@ -81,7 +105,8 @@ def score(task: dict | Task, response: str, config: RewardConfig | None = None,
 
     grade = _grade_code if isinstance(parsed, CodeTask) else _grade_math
     correct, details = grade(parsed, fmt, cfg)
-    penalty = overlong_penalty(n_tok, cfg.l_max, cfg.l_cache, cfg.overlong_penalty)
+    penalty = overlong_penalty(n_tok, *window, cfg.overlong_penalty)
+    details["length_window"] = list(window)
     language_ok = False
     if cfg.language_check:
         language_ok, details["language"] = check_consistency(parsed.problem, fmt.thoughts, fmt.answer)

@@ -25,10 +25,12 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Sequence
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.reward.compose import score
+from megatron_rl.reward.compose import penalty_window, score
 from megatron_rl.reward.types import RewardBreakdown, TaskError, parse_task
 
-GradeFn = Callable[..., RewardBreakdown]  # fn(task, response, config, num_tokens) -> RewardBreakdown
+# fn(task, response, config, num_tokens[, l_max=, l_cache=]) -> RewardBreakdown; the keywords are
+# passed only for items that carry their own overlong-penalty window (a length stage's).
+GradeFn = Callable[..., RewardBreakdown]
 
 
 @dataclass
@@ -46,7 +48,7 @@ class PoolStats:
 
 
 def _worker_main(conn, fn: GradeFn, config: RewardConfig) -> None:
-    """Worker loop: ready, then (index, task, response, num_tokens) -> (index, breakdown | error)."""
+    """Worker loop: ready, then (index, task, response, num_tokens, window) -> (index, breakdown | error)."""
     os.setpgid(0, 0)  # own process group: a timeout kills the worker and whatever it started
     try:  # warm up the language model so the first item's deadline is not spent loading it
         from megatron_rl.reward.language import _get_model
@@ -62,10 +64,10 @@ def _worker_main(conn, fn: GradeFn, config: RewardConfig) -> None:
             return
         if msg is None:
             return
-        index, task, response, num_tokens = msg
+        index, task, response, num_tokens, window = msg
         start = time.perf_counter()
         try:
-            result = fn(task, response, config, num_tokens)
+            result = fn(task, response, config, num_tokens, **window)
             result.elapsed_s = time.perf_counter() - start
             conn.send((index, result, None))
         except Exception as e:  # reported as status "error" for this item only
@@ -92,20 +94,27 @@ class _Worker:
         self.conn.close()
 
 
-def _normalise(item: Any, index: int) -> tuple[Any, str, int | None]:
+def _normalise(item: Any, index: int, config: RewardConfig) -> tuple[Any, str, int | None, dict[str, int]]:
+    window: dict[str, int] = {}
     if isinstance(item, dict):
         task, response, num_tokens = item.get("task"), item.get("response"), item.get("num_tokens")
+        window = {k: item[k] for k in ("l_max", "l_cache") if item.get(k) is not None}
     elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
         task, response, num_tokens = item[0], item[1], item[2] if len(item) == 3 else None
     else:
-        raise TaskError(f"item {index}: expected (task, response[, num_tokens]) or a dict with those keys")
+        raise TaskError(f"item {index}: expected (task, response[, num_tokens]) or a dict with those keys "
+                        f"(plus optional l_max, l_cache)")
+    try:  # a missing or bad window is the caller's bug: fail the call, not the item
+        penalty_window(config, window.get("l_max"), window.get("l_cache"))
+    except ValueError as e:
+        raise TaskError(f"item {index}: {e}") from None
     try:
         parsed = parse_task(task)
     except TaskError as e:
         raise TaskError(f"item {index}: {e}") from None
     if not isinstance(response, str):
         raise TaskError(f"item {index}: response must be a string, got {type(response).__name__}")
-    return parsed, response, num_tokens
+    return parsed, response, num_tokens, window
 
 
 class VerifierPool:
@@ -188,8 +197,9 @@ class VerifierPool:
 
     # ---------------------------------------------------------------- grading
     def map(self, items: Iterable[Any]) -> list[RewardBreakdown]:
-        """Grade items ((task, response[, num_tokens]) or dicts); results in input order."""
-        batch = [_normalise(item, i) for i, item in enumerate(items)]
+        """Grade items ((task, response[, num_tokens]) or dicts, which may add the overlong-penalty
+        window ``l_max`` / ``l_cache`` of the item's length stage); results in input order."""
+        batch = [_normalise(item, i, self.config) for i, item in enumerate(items)]
         self.start()
         start, restarts0 = time.perf_counter(), self.restarts
         results: list[RewardBreakdown | None] = [None] * len(batch)
@@ -203,9 +213,9 @@ class VerifierPool:
                     w.item = queue.popleft()
                     attempts[w.item] += 1
                     w.deadline = now + self.item_timeout_s
-                    task, response, num_tokens = batch[w.item]
+                    task, response, num_tokens, window = batch[w.item]
                     try:
-                        w.conn.send((w.item, task, response, num_tokens))
+                        w.conn.send((w.item, task, response, num_tokens, window))
                     except (OSError, ValueError):
                         pass  # dead worker: its sentinel fires below
             busy = [w.deadline for w in self._workers if w.item is not None]

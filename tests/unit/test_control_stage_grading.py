@@ -1,0 +1,160 @@
+"""A rollout requested under length stage A but graded after the switch to stage B gets stage A's
+penalty: through the controller's own issue -> collect -> grade path (real budget, real verifier
+pool, real reward.score), for grading inside the controller and on a verifier rank. Only the MPI
+communicator and the tokenizer are stand-ins (no generator runs: rollouts are built by hand)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.config import config_from_dict
+from megatron_rl.control.controller import Controller
+from megatron_rl.control.grading import _grade
+from megatron_rl.control.layout import RankLayout
+from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
+from megatron_rl.control.protocol import GenerateRequest, RolloutsReport, Tag
+from megatron_rl.records import Problem, Rollout
+from megatron_rl.reward import VerifierPool
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+GEN_RANK = 2  # rank 0 controller, rank 1 trainer, rank 2 generator, rank 3 verifier (when used)
+ANSWER = "Two and two make four.</think>\nThe answer is $\\boxed{4}$."  # after the template's "<think>\n"
+
+
+class PickleComm:
+    """Stands in for the MPI communicator: records what the controller sends, pickled as MPI would."""
+
+    def __init__(self):
+        self.sent: list[tuple[int, int, object]] = []
+
+    def send(self, obj, dest, tag):
+        self.sent.append((dest, tag, pickle.loads(pickle.dumps(obj))))
+
+    def take(self, tag: Tag) -> list[tuple[int, object]]:
+        hit = [(d, o) for d, t, o in self.sent if t == tag]
+        self.sent = [(d, t, o) for d, t, o in self.sent if t != tag]
+        return hit
+
+
+class CharTokenizer:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[ord(c) % 251 for c in text])
+
+
+def closed_form(n: int, l_max: int, l_cache: int, p: Fraction = Fraction(1, 10)) -> float:
+    if n <= l_max - l_cache:
+        return 0.0
+    return float(-p * Fraction(n - l_max + l_cache, l_cache)) if n <= l_max else float(-p)
+
+
+def _controller(tmp_path, verifiers: int) -> tuple[Controller, PickleComm]:
+    cfg = config_from_dict({
+        # stage A (updates 0..): cap 40, window = the cap (l_max null), l_cache 16
+        # stage B (update 1..): cap 80, its own window l_max 80, l_cache 20
+        "rollout": {"group_size": 2, "n_async": 2, "n_batch": 2, "n_mini": 1, "max_new_tokens": 64,
+                    "length_schedule": ["0:40", "1:80:80:20"]},
+        "reward": {"l_max": None, "l_cache": 16, "language_check": False, "verifier_workers": 1,
+                   "verifier_ranks": verifiers},
+        "data": {"source": "jsonl", "path": "unused.jsonl", "system_prompt": "short"},
+    })
+    problems = [Problem(f"p{i}", "What is 2 + 2?", {"kind": "math", "answer": "4"}) for i in range(3)]
+    comm = PickleComm()
+    ctrl = Controller(comm, cfg, RankLayout(1, 1, verifiers), tmp_path, problems, CharTokenizer())
+    return ctrl, comm
+
+
+def _issue_one_group(ctrl: Controller, comm: PickleComm) -> GenerateRequest:
+    ctrl._fill()
+    ((dest, request),) = comm.take(Tag.GENERATE)
+    assert dest == GEN_RANK and len(request.samples) == 2
+    return request
+
+
+def _generate(request: GenerateRequest, lengths: list[int]) -> RolloutsReport:
+    """What a generator would send back: completions of the given token counts (within the cap)."""
+    rollouts = []
+    for spec, n in zip(request.samples, lengths):
+        assert n <= request.sampling["max_new_tokens"]
+        finish = "length" if n == request.sampling["max_new_tokens"] else "stop"
+        rollouts.append(Rollout(spec.group_id, spec.sample_index, spec.prompt_ids, list(range(5, 5 + n)),
+                                [-0.5] * n, [0] * n, finish, text=ANSWER))
+    return RolloutsReport(rollouts, 0.0, 0.0)
+
+
+def _grade_all(ctrl: Controller, comm: PickleComm, pool: VerifierPool | None, keys) -> None:
+    """Run grading until the given samples are graded (the controller's own poll or a verifier rank)."""
+    deadline = time.time() + 120
+    while any(k in ctrl._pending_rollouts for k in keys):
+        assert time.time() < deadline, "grading did not finish"
+        if pool is None:
+            ctrl._collect_grades()
+            time.sleep(0.05)
+        else:  # the body of grading.verifier_loop for each GRADE message, minus MPI
+            for dest, items in comm.take(Tag.GRADE):
+                ctrl._dispatch(dest, Tag.GRADED, pickle.loads(pickle.dumps(_grade(pool, items))))
+
+
+@pytest.mark.parametrize("verifiers", [0, 1], ids=["controller_pool", "verifier_rank"])
+def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
+    ctrl, comm = _controller(tmp_path, verifiers)
+    pool = VerifierPool(ctrl.cfg.reward).start() if verifiers else None
+    try:
+        request_a = _issue_one_group(ctrl, comm)
+        assert request_a.sampling["max_new_tokens"] == 40
+
+        # The trainer finishes update 1 (stage B from now on) before these samples come back.
+        ctrl._on_trained({"version": 1})
+        assert ctrl.updates_done == 1 and comm.take(Tag.UPDATE_BEGIN)
+        report = _generate(request_a, [30, 40])
+        keys = [(r.problem_id, r.sample_index) for r in report.rollouts]
+        ctrl._on_rollouts(GEN_RANK, report)
+        _grade_all(ctrl, comm, pool, keys)
+        graded_a = report.rollouts  # the controller updated these records in place
+        for r, n in zip(graded_a, [30, 40]):
+            assert (r.max_new_tokens, r.l_max, r.l_cache) == (40, 40, 16)
+            # stage A: ramp from 24 to 40 tokens (stage B's window would give 0 for both lengths)
+            assert r.reward_components["length_penalty"] == pytest.approx(closed_form(n, 40, 16), abs=1e-12)
+            assert r.reward == pytest.approx(1.0 + closed_form(n, 40, 16), abs=1e-12)
+        assert closed_form(30, 40, 16) < 0 and closed_form(30, 80, 20) == 0  # the test can tell A from B
+
+        # The metrics line of update 1: the stage now in force, and the stage the graded rollouts had.
+        ctrl.last_train_metrics = {"loss": 0.0}
+        ctrl._write_metrics()
+        row = read_jsonl(tmp_path / METRICS_FILE)[-1]
+        assert (row["max_new_tokens"], row["stage/start"], row["stage/l_max"], row["stage/l_cache"]) == (80, 1, 80, 20)
+        assert (row["length/cap_mean"], row["length/l_max_mean"]) == (40, 40)
+
+        # A group issued after the switch is requested and graded under stage B.
+        request_b = _issue_one_group(ctrl, comm)
+        assert request_b.sampling["max_new_tokens"] == 80
+        report = _generate(request_b, [30, 70])
+        ctrl._on_rollouts(GEN_RANK, report)
+        _grade_all(ctrl, comm, pool, [(r.problem_id, r.sample_index) for r in report.rollouts])
+        for r, n in zip(report.rollouts, [30, 70]):
+            assert (r.max_new_tokens, r.l_max, r.l_cache) == (80, 80, 20)
+            assert r.reward_components["length_penalty"] == pytest.approx(closed_form(n, 80, 20), abs=1e-12)
+        assert not ctrl.sample_stage  # nothing left in flight
+
+        # Checkpointed rollouts keep their stage (JSON, like the controller state in a checkpoint).
+        again = Rollout.from_dict(json.loads(json.dumps(graded_a[0].to_dict())))
+        assert (again.max_new_tokens, again.l_max, again.l_cache) == (40, 40, 16)
+    finally:
+        ctrl.shutdown()
+        if pool is not None:
+            pool.close()
+
+
+def test_rollouts_from_older_checkpoints_load_without_a_stage():
+    r = Rollout("g", 0, [1], [2], [-0.1], [0], "stop", reward=0.5)
+    old = {k: v for k, v in r.to_dict().items() if k not in ("max_new_tokens", "l_max", "l_cache")}
+    loaded = Rollout.from_dict(old)
+    assert loaded == r and loaded.l_max is None

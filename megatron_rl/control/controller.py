@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron_rl.config import Config, LengthStage
 from megatron_rl.control.budget import RolloutBudget
-from megatron_rl.control.grading import LocalGrader, StagedGradeItem
+from megatron_rl.control.grading import LocalGrader
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow, stage_metrics
 from megatron_rl.control.problems import ProblemQueue, parse_length_schedule, stage_at
@@ -210,8 +210,8 @@ class Controller:
                 continue
             r.max_new_tokens, r.l_max, r.l_cache = stage.max_new_tokens, stage.l_max, stage.l_cache
             self._pending_rollouts[key] = r
-            items.append(StagedGradeItem(key, group.problem.task, self.template.assistant_prefix + r.text,
-                                         len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache))
+            items.append(GradeItem(key, group.problem.task, self.template.assistant_prefix + r.text,
+                                   len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache))
         if items:
             self._submit_grades(items)
 

@@ -6,7 +6,7 @@ verifier rank, fed over MPI by the controller (see controller.py). Both survive 
 (per-item timeout -> reward 0, status "timeout") and crashed grading processes (re-issued).
 
 Each item is graded with the overlong-penalty window of the length stage its rollout was requested
-under (`StagedGradeItem`), never the stage current when it is graded: with asynchronous generation a
+under (`GradeItem.l_max` / `l_cache`), never the stage current when it is graded: with asynchronous generation a
 sample requested before a stage switch is often graded after it.
 """
 from __future__ import annotations
@@ -14,25 +14,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from megatron_rl.config import RewardConfig
 from megatron_rl.control.protocol import GradeItem, Tag
 from megatron_rl.reward import VerifierPool
 
 
-@dataclass
-class StagedGradeItem(GradeItem):
-    """A GradeItem with the overlong-penalty window of its rollout's length stage (None: the config's)."""
-
-    l_max: int | None = None
-    l_cache: int | None = None
-
-
 def _grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[tuple[str, int], dict]]:
     """Grade a GRADE message (what both LocalGrader and verifier ranks run)."""
     results = pool.map([{"task": it.task, "response": it.response, "num_tokens": it.num_tokens,
-                         "l_max": getattr(it, "l_max", None), "l_cache": getattr(it, "l_cache", None)}
+                         "l_max": it.l_max, "l_cache": it.l_cache}
                         for it in items])
     return [(it.key, r.to_dict()) for it, r in zip(items, results)]
 

@@ -83,6 +83,9 @@ class GradeItem:
     task: dict[str, Any]
     response: str
     num_tokens: int
+    # Overlong-penalty window of the length stage the rollout was requested under (None: the config's).
+    l_max: int | None = None
+    l_cache: int | None = None
 
 
 @dataclass

@@ -68,6 +68,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             lse[sl] = l
             if with_entropy:
                 mean_x[sl] = mx
+        # an output that takes no part in the loss (entropy kept for metrics) then arrives as None
+        # in backward instead of zeros, and its term is skipped
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, targets, lse, mean_x if with_entropy else lse)
         ctx.cfg = (start, valid, chunk, with_entropy)
         shape = targets.shape

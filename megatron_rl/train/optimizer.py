@@ -1,11 +1,14 @@
 """Megatron DDP wrapping and the (Distributed)Optimizer for the trainer's model chunks.
 
-- `wrap_model(chunks, tconfig)`: bf16 chunks go through Megatron's `Float16Module` (fp32 logits
-  out), then every chunk is wrapped in Megatron's `DistributedDataParallel` (contiguous grad
+- `wrap_model(chunks, tconfig)`: bf16 chunks go through Megatron's `Float16Module`, then every chunk
+  is wrapped in Megatron's `DistributedDataParallel` (contiguous grad
   buffers, reduce-scatter for the DistributedOptimizer). The TransformerConfig is switched to
   `calculate_per_token_loss`: loss functions return token SUMS plus token counts, and
   `finalize_model_grads` divides the gradients by the token count all-reduced over the micro-batches
   and DP ranks — exactly the minibatch-wide token normalisation of the RL loss.
+  A wrapped bf16 chunk carries `mrl_half_precision = True`: the step calls it with
+  `fp32_output=False` (passed through DDP to `Float16Module.forward`), so the last stage hands its
+  logits over in bf16 instead of materialising a float32 [tokens, vocab] copy.
 - `build_optimizer(model, tconfig)`: Adam(W) through `get_megatron_optimizer` (fp32 main params
   for bf16 models, global-norm clipping at `grad_clip`, DistributedOptimizer when asked).
 - `set_lr(optimizer, lr)`.
@@ -43,6 +46,7 @@ def wrap_model(chunks: list, tconfig: TrainerConfig) -> list:
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=inner,
                                       disable_bucketing=i > 0)
         ddp.mrl_dims = chunk.mrl_dims
+        ddp.mrl_half_precision = inner is not chunk  # accepts fp32_output=False (see the step)
         wrapped.append(ddp)
     config.finalize_model_grads_func = finalize_model_grads
     no_sync = [m.no_sync for m in wrapped]

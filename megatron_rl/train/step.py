@@ -11,7 +11,13 @@ For each minibatch (every trainer rank holds the same whole minibatch):
    so accumulation equals the full-minibatch token-normalised loss;
 4. the optimizer clips the global gradient norm and steps.
 
-The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only).
+The RL loss is `megatron_rl.ops.fused_clipped_loss` (csrc kernels: log-softmax fused with the
+surrogate, vocab-parallel under TP with Megatron's vocab padding excluded, no float32
+[tokens, vocab] tensor; bf16 logits stay bf16, see `optimizer.wrap_model`). Ratio and clip
+statistics come from the per-token logprobs its forward computed; the entropy metric costs one
+no-grad chunked pass over the logits and is skipped (NaN) when `trainer.log_entropy` is false.
+The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only, through the
+chunked `train.logprobs.token_logprobs`).
 Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
 so every rank returns the same numbers.
 """
@@ -29,7 +35,8 @@ from megatron_rl.algo.advantages import normalize
 from megatron_rl.algo.loss import clipped_token_loss_with_stats
 from megatron_rl.config import AlgoConfig, TrainerConfig
 from megatron_rl.records import TrainSequence
-from megatron_rl.train.logprobs import token_logprobs
+from megatron_rl.ops import fused_clipped_loss
+from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.packing import PackedMicroBatch, PackingStats, pack_sequences, split_balanced
 
 Objective = Literal["rl", "sft"]
@@ -65,40 +72,61 @@ def _pad_multiple(chunk_config) -> int:
 
 
 def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
+    # bf16 chunks: keep the logits in bf16 (Float16Module would upcast them to a float32
+    # [tokens, vocab] copy); the losses accumulate in float32 internally.
+    kw = {"fp32_output": False} if getattr(model_chunk, "mrl_half_precision", False) else {}
     if use_thd:
-        return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
-    return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask())
+        return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
+    return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
+
+
+def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx: StepContext, tp_group):
+    """Fused clipped-surrogate token SUM (log-softmax fused, vocab-parallel, logits in their own dtype)
+    and the ratio/clip statistics of the per-token logprobs its forward computed."""
+    algo = ctx.algo
+    loss_sum, logp = fused_clipped_loss(
+        logits, mb.labels, mb.behaviour_logprobs, mb.advantages, mask, algo.eps_low, algo.eps_high,
+        tp_group, normalizer=1.0, vocab_size=ctx.vocab_size, tis_cap=algo.tis_cap,
+        # the gradient overwrites the logits buffer: nothing reads the logits after this loss
+        inplace_backward=True, return_logprobs=True)
+    with torch.no_grad():  # O(tokens): the surrogate's statistics on the same logprobs
+        _, st = clipped_token_loss_with_stats(logp, mb.behaviour_logprobs, mb.advantages, mask,
+                                              algo.eps_low, algo.eps_high, normalizer=1.0,
+                                              tis_cap=algo.tis_cap)
+    stats = {"clip_low": st.clip_frac_low * st.n_tokens, "clip_high": st.clip_frac_high * st.n_tokens,
+             "ratio_sum": st.ratio_mean * st.n_tokens, "ratio_min": st.ratio_min, "ratio_max": st.ratio_max}
+    return loss_sum, logp, stats
 
 
 def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, output: torch.Tensor):
-    """Token-sum loss, token count, and detached sums for the metrics of this micro-batch."""
+    """Token-sum loss, token count, and detached sums for the metrics of this micro-batch.
+
+    `output` stays in the model dtype (bf16 or fp32): both paths read it in float32 chunks."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group() if ctx.layout.tp > 1 else None
-    logits = output.float() if output.dtype != torch.float32 else output
-    logp, entropy = token_logprobs(logits, mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size,
-                                   with_entropy=True)
     mask = mb.loss_mask > 0
     n = mask.sum()
+    log_entropy = ctx.trainer.log_entropy
+    entropy = None
     if objective == "rl":
-        loss_sum, st = clipped_token_loss_with_stats(
-            logp, mb.behaviour_logprobs, mb.advantages, mask, ctx.algo.eps_low, ctx.algo.eps_high,
-            normalizer=1.0)
-        clip_low, clip_high = st.clip_frac_low * st.n_tokens, st.clip_frac_high * st.n_tokens
-        ratio_sum, ratio_min, ratio_max = st.ratio_mean * st.n_tokens, st.ratio_min, st.ratio_max
+        if log_entropy:  # before the loss: its backward overwrites the logits
+            entropy = token_entropy(output.detach(), tp_group, vocab_size=ctx.vocab_size)
+        loss_sum, logp, stats = _rl_loss(output, mb, mask, ctx, tp_group)
     else:
+        res = token_logprobs(output, mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size,
+                             with_entropy=log_entropy)
+        logp, entropy = res if log_entropy else (res, None)
         loss_sum = -torch.where(mask, logp, 0.0).sum()
         zero = torch.zeros((), dtype=torch.float32)
-        clip_low = clip_high = zero
-        ratio_sum, ratio_min, ratio_max = n.float(), torch.ones(()), torch.ones(())
+        stats = {"clip_low": zero, "clip_high": zero, "ratio_sum": n.float(), "ratio_min": torch.ones(()),
+                 "ratio_max": torch.ones(())}
     with torch.no_grad():
-        reduced = {
-            "loss_sum": loss_sum.detach().float(), "n_tokens": n.float(),
-            "clip_low": clip_low.float(), "clip_high": clip_high.float(), "ratio_sum": ratio_sum.float(),
-            "entropy_sum": torch.where(mask, entropy, 0.0).sum().float(),
-            "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float(),
-            "ratio_min": ratio_min.float(), "ratio_max": ratio_max.float(),
-        }
+        reduced = {"loss_sum": loss_sum.detach().float(), "n_tokens": n.float(),
+                   "entropy_sum": (torch.where(mask, entropy, 0.0).sum().float() if entropy is not None
+                                   else torch.tensor(float("nan"))),
+                   "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float()}
+        reduced.update({k: v.float() for k, v in stats.items()})
     # the schedule backpropagates loss_sum; finalize_model_grads divides grads by the summed count
     return loss_sum, n.to(torch.int), reduced
 

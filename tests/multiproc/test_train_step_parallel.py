@@ -1,10 +1,12 @@
-"""The RL step at TP=2, PP=2 and DP=2 (2 gloo processes) vs the single-process HF reference, and
-checkpoints written at TP=2 / PP=2 loaded resharded into TP=1.
+"""The RL step at TP=2, PP=2, DP=2 and interleaved PP=2 x VPP=2 (2 gloo processes) vs the
+single-process HF reference, and checkpoints written by each layout loaded resharded into TP=1.
 
 One torchrun launch of this file (its `__main__` part is the worker) runs every layout; the test
 compares loss, metrics, grad norm and gradients with the HF autograd reference of
 tests/unit/test_train_step.py, then loads the checkpoints each layout saved into a TP=1 trainer here
-and checks that it evaluates exactly as the writer did.
+and checks that it evaluates exactly as the writer did. The interleaved layout needs 4 layers (one
+per virtual stage) and a micro-batch count that is a multiple of PP, so it runs on a 4-layer tiny
+Llama with 18-token bins (4 micro-batches for the minibatch, 2 for its one-minibatch update).
 """
 from __future__ import annotations
 
@@ -17,18 +19,24 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}  # name -> (tp, pp, dp)
+# name -> (tp, pp, dp, vpp, model, micro_batch_tokens, n_mini of the update)
+LAYOUTS = {"tp2": (2, 1, 1, None, "model_dir", 24, 2), "pp2": (1, 2, 1, None, "model_dir", 24, 2),
+           "dp2": (1, 1, 2, None, "model_dir", 24, 2), "pp2vpp2": (1, 2, 1, 2, "model4_dir", 18, 1)}
 GRADS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
 HF_NAMES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
             "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
 
 
-def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1):
+def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
+            micro_batch_tokens: int = 24):
     from megatron_rl.config import config_from_dict
 
     return config_from_dict({
-        "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": 24, "lr": 1e-2,
-                    "grad_clip": 1e6, "tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": dp},
+        "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": micro_batch_tokens,
+                    "lr": 1e-2, "grad_clip": 1e6, "tensor_parallel": tp, "pipeline_parallel": pp,
+                    "data_parallel": dp, "virtual_pipeline": vpp,
+                    # per-rank optimizer shards: the optimizer reloads only where just DP changed
+                    "checkpoint_optimizer": "dp_reshardable"},
         "algo": {"eps_low": 0.2, "eps_high": 0.28}})
 
 
@@ -39,11 +47,14 @@ def _load_seqs(path: Path):
 
 
 def _full_grad(trainer, name: str):
-    """This rank's main_grad of `name`, all-gathered over TP along its partition dim (or None)."""
+    """This rank's main_grad of `name` (from whichever of its model chunks holds it), all-gathered
+    over TP along its partition dim (or None)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    params = dict(trainer.model_chunks[0].named_parameters())
+    params = {}
+    for chunk in trainer.model_chunks:  # under VPP the first and last stages are different chunks
+        params.update((n, p) for n, p in chunk.named_parameters() if n in HF_NAMES)
     if name not in params:
         return None
     p = params[name]
@@ -65,36 +76,43 @@ def worker(root: Path) -> None:
 
     torch.set_num_threads(1)
     spec = json.loads((root / "spec.json").read_text())
-    seqs, train_seqs = _load_seqs(root / "seqs.json"), _load_seqs(root / "train_seqs.json")
-    for name, (tp, pp, dp) in LAYOUTS.items():
-        trainer = Trainer(_config(spec["model_dir"], tp, pp, dp))
+    for name, (tp, pp, dp, vpp, model, mbt, n_mini) in LAYOUTS.items():
+        seqs = _load_seqs(root / f"seqs_{model}.json")
+        train_seqs = _load_seqs(root / f"train_seqs_{model}.json")
+        trainer = Trainer(_config(spec[model], tp, pp, dp, vpp, mbt))
         trainer.optimizer.zero_grad()
         out = forward_backward(trainer.model, seqs, trainer.ctx)
         grads = {g: _full_grad(trainer, g) for g in GRADS}
         ok, grad_norm, _ = trainer.optimizer.step()
-        trainer.train_on(Batch(train_seqs, n_mini=2, policy_version=1))
+        trainer.train_on(Batch(train_seqs, n_mini=n_mini, policy_version=1))
         after = trainer.evaluate(seqs)
         trainer.save(root / f"{name}_ckpt", extra={"layout": name})
         torch.save({"metrics": out.metrics, "grad_norm": float(grad_norm), "ok": ok, "grads": grads,
-                    "after": after}, root / f"{name}.rank{dist.get_rank()}.pt")
+                    "after": after, "n_micro_batches": out.n_micro_batches},
+                   root / f"{name}.rank{dist.get_rank()}.pt")
         destroy_parallel()
     print("WORKER OK", flush=True)
 
 
 # ---------------------------------------------------------------- the test (pytest side)
 
-def test_tp2_pp2_dp2_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path, free_port):
+def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path, free_port):
     import pytest
 
+    from support.models import make_tiny_llama
     from unit.test_train_step import hf_model, make_minibatch, reference
 
-    hf = hf_model(tiny_llama_dir)
-    seqs = make_minibatch(hf, n=6, seed=0)
-    train_seqs = make_minibatch(hf, n=4, seed=3)
-    ref, ref_grads = reference(hf, seqs)
-    (tmp_path / "seqs.json").write_text(json.dumps([dataclasses.asdict(s) for s in seqs]))
-    (tmp_path / "train_seqs.json").write_text(json.dumps([dataclasses.asdict(s) for s in train_seqs]))
-    (tmp_path / "spec.json").write_text(json.dumps({"model_dir": str(tiny_llama_dir)}))
+    models = {"model_dir": str(tiny_llama_dir), "model4_dir": str(make_tiny_llama(tmp_path / "tiny4", layers=4))}
+    refs, seq_sets = {}, {}
+    for key, path in models.items():
+        hf = hf_model(path)
+        seqs = make_minibatch(hf, n=6, seed=0)
+        train_seqs = make_minibatch(hf, n=4, seed=3)
+        refs[key] = reference(hf, seqs)
+        seq_sets[key] = seqs
+        (tmp_path / f"seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in seqs]))
+        (tmp_path / f"train_seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in train_seqs]))
+    (tmp_path / "spec.json").write_text(json.dumps(models))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port}", __file__, str(tmp_path)]
@@ -104,9 +122,12 @@ def test_tp2_pp2_dp2_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path
 
     from megatron_rl.train.trainer import Trainer
 
-    tp1 = Trainer(_config(str(tiny_llama_dir)))
-    for name in LAYOUTS:
+    tp1 = {}
+    for name, (_, _, _, vpp, model, _, n_mini) in LAYOUTS.items():
+        ref, ref_grads = refs[model]
         ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+        if vpp:  # a real interleaved schedule: several micro-batch groups per virtual stage
+            assert ranks[0]["n_micro_batches"] >= 2 * 2, name
         for r in ranks:  # metrics are reduced and shared: identical on every rank
             assert r["ok"]
             for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
@@ -122,11 +143,15 @@ def test_tp2_pp2_dp2_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path
             for t in held:
                 torch.testing.assert_close(t, ref_grads[HF_NAMES[g]], rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"{name} {g}: {m}")
-        # resharding on load: TP=1 evaluates the TP=2 / PP=2 / DP=2 checkpoint exactly as its writer did
-        extra = tp1.load(tmp_path / f"{name}_ckpt")
-        assert extra == {"layout": name} and tp1.version == 1 and tp1.step == 2  # + the manual step
-        assert tp1.last_load.optimizer_loaded == (name == "dp2")  # dp_reshardable: only DP may change
-        mine = tp1.evaluate(seqs)
+        # resharding on load: TP=1 evaluates each layout's checkpoint exactly as its writer did
+        if model not in tp1:
+            tp1[model] = Trainer(_config(models[model]))
+        reader = tp1[model]
+        extra = reader.load(tmp_path / f"{name}_ckpt")
+        assert extra == {"layout": name} and reader.version == 1
+        assert reader.step == n_mini  # the update's optimizer steps (the manual one is not counted)
+        assert reader.last_load.optimizer_loaded == (name == "dp2")  # dp_reshardable: only DP may change
+        mine = reader.evaluate(seq_sets[model])
         for key in ("loss", "entropy", "ratio_mean", "logprob_mean"):
             assert mine[key] == pytest.approx(ranks[0]["after"][key], rel=1e-5, abs=1e-6), (name, key)
 

@@ -7,6 +7,7 @@ and gradients also check packing, accumulation and the per-token normaliser.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -117,8 +118,72 @@ def test_loss_metrics_and_gradients_match_hf_reference(tiny_llama_dir):
     for meg, hf_name in SAME_LAYOUT.items():
         torch.testing.assert_close(params[meg].main_grad, ref_grads[hf_name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{meg}: {m}")
+    # log_entropy=False: the same loss, gradients and metrics without the entropy pass (entropy NaN)
+    quiet = dataclasses.replace(trainer.ctx, trainer=dataclasses.replace(trainer.ctx.trainer, log_entropy=False))
+    out2 = forward_backward(trainer.model, seqs, quiet)
+    assert math.isnan(out2.metrics["entropy"])
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "logprob_mean"):
+        assert out2.metrics[key] == pytest.approx(out.metrics[key], rel=1e-6, abs=1e-7), key
+    torch.testing.assert_close(params["output_layer.weight"].main_grad, ref_grads["lm_head.weight"],
+                               rtol=1e-4, atol=1e-6)
     ok, grad_norm, _ = trainer.optimizer.step()
     assert ok and grad_norm == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_bf16_step_matches_fp32_reference_with_bf16_logits(tiny_llama_dir, monkeypatch):
+    """precision=bf16: the same step against the fp32 HF reference, and the logits reach the loss in
+    bf16 (no float32 [tokens, vocab] copy from Float16Module or the loss function).
+
+    Tolerance: the bf16 model rounds weights and every activation to 8 mantissa bits (relative error
+    up to 2^-9 ~ 0.2% per rounding, compounding over the layers), so the metrics move by ~0.1% and
+    whole gradient tensors by ~0.7% (relative L2, measured). We allow 1% on loss/ratio/entropy metrics
+    and the grad norm and 3% relative L2 per gradient tensor: bf16 rounding, while a wrong sign,
+    normaliser, advantage or missing token moves them by O(1). Clip fractions are counts over ~40
+    tokens: a ratio right at a clip boundary may flip, so they may differ by one token.
+    """
+    import megatron_rl.ops as ops
+    from megatron_rl.train import step
+    from megatron_rl.train.step import forward_backward
+    from megatron_rl.train.trainer import Trainer
+
+    hf = hf_model(tiny_llama_dir)
+    seqs = make_minibatch(hf)
+    ref, ref_grads = reference(hf, seqs)
+    seen = {"loss_func": [], "fused": []}
+    loss_func, fused = step._loss_func, ops.fused_clipped_loss
+
+    def spy_loss_func(mb, ctx, objective, output):
+        seen["loss_func"].append(output.dtype)
+        return loss_func(mb, ctx, objective, output)
+
+    def spy_fused(logits, *args, **kwargs):
+        seen["fused"].append(logits.dtype)
+        return fused(logits, *args, **kwargs)
+
+    monkeypatch.setattr(step, "_loss_func", spy_loss_func)
+    monkeypatch.setattr(step, "fused_clipped_loss", spy_fused)
+    trainer = Trainer(make_config(tiny_llama_dir, precision="bf16"))
+    trainer.optimizer.zero_grad()
+    out = forward_backward(trainer.model, seqs, trainer.ctx)
+    assert out.n_micro_batches >= 3
+    assert seen["loss_func"] == [torch.bfloat16] * out.n_micro_batches
+    assert seen["fused"] == [torch.bfloat16] * out.n_micro_batches  # the RL loss is the fused op
+    n = ref["n_loss_tokens"]
+    assert out.metrics["n_loss_tokens"] == n
+    for key in ("loss", "ratio_mean", "ratio_min", "ratio_max", "entropy", "logprob_mean"):
+        assert out.metrics[key] == pytest.approx(ref[key], rel=1e-2, abs=1e-3), key
+    for key in ("clip_frac_low", "clip_frac_high"):
+        assert abs(out.metrics[key] - ref[key]) <= 1.0 / n + 1e-9, key
+    params = dict(trainer.model_chunks[0].named_parameters())
+    for meg, hf_name in SAME_LAYOUT.items():
+        err = _rel_err(params[meg].main_grad, ref_grads[hf_name])
+        assert err < 3e-2, (meg, err)
+    ok, grad_norm, _ = trainer.optimizer.step()
+    assert ok and grad_norm == pytest.approx(ref["grad_norm"], rel=1e-2)
 
 
 def test_rl_steps_raise_logprob_of_positive_sequences(tiny_llama_dir):

@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 
 # name -> (tp, pp, dp, vpp, model, micro_batch_tokens, n_mini of the update)
-LAYOUTS = {"tp2": (2, 1, 1, None, "model_dir", 24, 2), "pp2": (1, 2, 1, None, "model_dir", 24, 2),
+# "model4_dir" has 4 layers and an odd vocab (387): at TP=2 Megatron pads it to 388, so rank 1's
+# vocab shard ends in a padding column that the loss must leave out.
+LAYOUTS = {"tp2": (2, 1, 1, None, "model4_dir", 24, 2), "pp2": (1, 2, 1, None, "model_dir", 24, 2),
            "dp2": (1, 1, 2, None, "model_dir", 24, 2), "pp2vpp2": (1, 2, 1, 2, "model4_dir", 18, 1)}
+ODD_VOCAB = 387
 GRADS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
 HF_NAMES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
             "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
@@ -38,6 +41,20 @@ def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | No
                     # per-rank optimizer shards: the optimizer reloads only where just DP changed
                     "checkpoint_optimizer": "dp_reshardable"},
         "algo": {"eps_low": 0.2, "eps_high": 0.28}})
+
+
+def _odd_vocab_model(root: Path) -> str:
+    """The tiny Llama with 4 layers and its vocab grown to ODD_VOCAB (new random rows)."""
+    from transformers import AutoModelForCausalLM
+
+    from support.models import make_tiny_llama
+
+    path = make_tiny_llama(root, layers=4)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.resize_token_embeddings(ODD_VOCAB, mean_resizing=False)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
 
 
 def _load_seqs(path: Path):
@@ -63,7 +80,7 @@ def _full_grad(trainer, name: str):
         parts = [torch.empty_like(g) for _ in range(ps.get_tensor_model_parallel_world_size())]
         dist.all_gather(parts, g, group=ps.get_tensor_model_parallel_group())
         g = torch.cat(parts, dim=p.partition_dim)
-    return g[: trainer.dims.vocab_size] if "embedding" in name or "output_layer" in name else g
+    return g  # vocab-sized tensors keep their TP padding rows: the test checks they got no gradient
 
 
 def worker(root: Path) -> None:
@@ -99,14 +116,13 @@ def worker(root: Path) -> None:
 def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path, free_port):
     import pytest
 
-    from support.models import make_tiny_llama
     from unit.test_train_step import hf_model, make_minibatch, reference
 
-    models = {"model_dir": str(tiny_llama_dir), "model4_dir": str(make_tiny_llama(tmp_path / "tiny4", layers=4))}
+    models = {"model_dir": str(tiny_llama_dir), "model4_dir": _odd_vocab_model(tmp_path / "tiny4")}
     refs, seq_sets = {}, {}
     for key, path in models.items():
         hf = hf_model(path)
-        seqs = make_minibatch(hf, n=6, seed=0)
+        seqs = make_minibatch(hf, n=6, seed=0)  # token ids drawn from the whole (odd) vocab
         train_seqs = make_minibatch(hf, n=4, seed=3)
         refs[key] = reference(hf, seqs)
         seq_sets[key] = seqs
@@ -141,8 +157,12 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
             held = [r["grads"][g] for r in ranks if r["grads"][g] is not None]
             assert held, (name, g)
             for t in held:
-                torch.testing.assert_close(t, ref_grads[HF_NAMES[g]], rtol=1e-4, atol=1e-6,
+                want = ref_grads[HF_NAMES[g]]
+                torch.testing.assert_close(t[: want.shape[0]], want, rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"{name} {g}: {m}")
+                assert torch.count_nonzero(t[want.shape[0]:]) == 0, (name, g)  # padding rows
+            if name == "tp2":  # the padded layout really is padded
+                assert held[0].shape[0] == ODD_VOCAB + 1 or g == "decoder.final_layernorm.weight"
         # resharding on load: TP=1 evaluates each layout's checkpoint exactly as its writer did
         if model not in tp1:
             tp1[model] = Trainer(_config(models[model]))

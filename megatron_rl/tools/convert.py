@@ -10,8 +10,8 @@ TP*PP > 1; a plain process is a world of one). The layout of the job decides the
   TP/PP on load). The HF config and tokenizer are copied to `root/hf_config/` so that the reverse
   conversion needs nothing else.
 - `megatron_to_hf(checkpoint, out_dir, layout)`: loads a checkpoint (a converted one or a trainer
-  checkpoint) at the job's layout — dist_checkpointing reshards PP and DP freely, and TP when
-  the model needs no TP padding (else the export must run at the saved TP) — then streams
+  checkpoint) at the job's layout — `train.checkpoint` reshards TP, PP and DP, TP padding
+  included, and refuses a checkpoint of another model than the HF config describes — then streams
   `export_hf_tensors` (TP-gathered, padding removed, one tensor at a time) into safetensors
   shards written by TP rank 0 / DP rank 0 of every pipeline stage (`hf_writer.ShardWriter`).
   Rank 0 names the files and writes the index, config and tokenizer.
@@ -138,16 +138,6 @@ def checkpoint_dtype(ckpt: Path) -> torch.dtype:
     raise ConversionError(f"{ckpt}: no model weights found in the checkpoint metadata")
 
 
-def padding_compatible(hf_config, saved_tp: int, tp: int) -> bool:
-    """Whether a checkpoint saved at `saved_tp` loads at `tp`: the trainer pads vocab, KV groups and
-    MLP width to multiples of TP (train/model.py), so the stored global shapes depend on TP."""
-    from megatron_rl.train.model import model_dims
-
-    a, b = model_dims(hf_config, saved_tp), model_dims(hf_config, tp)
-    return (a.padded_vocab_size, a.padded_num_kv_heads, a.padded_ffn_size) == \
-        (b.padded_vocab_size, b.padded_num_kv_heads, b.padded_ffn_size)
-
-
 def find_hf_config(ckpt: Path, hf_config: str | Path | None):
     """The ModelSource giving the architecture: `hf_config`, else `<checkpoint root>/hf_config`."""
     from megatron_rl.train.hf_source import resolve_model
@@ -167,7 +157,7 @@ def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: Parallel
     """Collective: dist checkpoint (root or step dir) -> HF directory `out_dir`."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.train.checkpoint import load_checkpoint, read_common, resolve_checkpoint
+    from megatron_rl.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
     from megatron_rl.train.hf_weights import export_hf_tensors
     from megatron_rl.train.model import build_model
 
@@ -179,15 +169,12 @@ def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: Parallel
         raise ConversionError(f"no complete checkpoint at {checkpoint}")
     src = find_hf_config(ckpt, hf_config)
     config = _plain_config(src.config())
-    saved_tp = int(read_common(ckpt)["layout"]["tp"])
-    if not padding_compatible(config, saved_tp, layout.tp):
-        raise ConversionError(
-            f"{ckpt} was saved at tp={saved_tp}, whose TP padding (vocab / KV groups / MLP width padded "
-            f"to multiples of tp) differs from tp={layout.tp}'s for this model; export it with "
-            f"--tp {saved_tp} (any PP)")
     stored = checkpoint_dtype(ckpt)
     chunks = build_model(config, layout, stored)  # same dtype as stored: loading is a plain copy
-    load_checkpoint(ckpt, chunks, None, layout, load_optimizer=False)
+    try:  # reshards into this layout, TP padding included; refuses a checkpoint of another model
+        load_checkpoint(ckpt, chunks, None, layout, load_optimizer=False)
+    except CheckpointError as e:
+        raise ConversionError(f"{e} (HF config used: {src.path})") from e
     out = Path(out_dir)
     out_dtype = _dtype_of_name(dtype) or stored
     writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0

@@ -19,6 +19,7 @@ through `LoadResult.optimizer_loaded`), and neither is the per-rank RNG state.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,8 +37,20 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-FORMAT_VERSION = 1
-OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# 2: one key per layer and the SwiGLU gate/up under separate keys (Megatron's singleton_local_shards),
+#    padded tensors marked allow_shape_mismatch, model dims and optimizer format in the common state.
+# 1: stacked layer keys, gate/up in one key, dp_reshardable optimizer; still loaded (see load_checkpoint).
+FORMAT_VERSION = 2
+_MODEL_METADATA: dict[int, dict[str, Any] | None] = {1: None, 2: {"singleton_local_shards": True}}
+OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
+# ModelDims fields that define the HF model (not the TP-padded sizes): they must match on load.
+DIMS_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "ffn_size", "qkv_bias", "tie_embeddings", "norm_eps", "rope", "max_position_embeddings",
+               "sliding_window")
+# Megatron parameters whose global shape depends on the TP padding (train/model.py).
+_PADDED = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+           "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+           "embedding.word_embeddings.weight", "output_layer.weight")
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_MARK = ".tmp-"
 
@@ -210,8 +223,9 @@ class LoadResult:
     step: int
     extra: dict[str, Any] = field(default_factory=dict)
     saved_layout: dict[str, Any] = field(default_factory=dict)
-    optimizer_loaded: bool = True  # False: layout changed, not asked, or saved before the first step
-    rng_restored: bool = True
+    optimizer_loaded: bool = True  # False: not reshardable to this layout, not asked, or never stepped
+    rng_restored: bool = True  # only at the identical TP/PP/DP/VPP layout
+    optimizer_format: str = "dp_reshardable"
 
 
 def _layout_now(layout) -> dict[str, Any]:
@@ -222,20 +236,88 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
+# ---------------------------------------------------------------- model identity and TP padding
+
+def _dims_record(model: list) -> dict[str, Any]:
+    """The unpadded ModelDims fields (the HF model's architecture), as plain values."""
+    dims = getattr(model[0], "mrl_dims", None)
+    if dims is None:
+        raise CheckpointError("the model chunks carry no `mrl_dims` (build them with train.model.build_model)")
+    record = dataclasses.asdict(dims)
+    return {k: record[k] for k in DIMS_FIELDS}
+
+
+def _check_same_model(ckpt: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    # Padded tensors load with allow_shape_mismatch: without this check another model of another
+    # size would load silently (truncated or zero-filled).
+    for key in DIMS_FIELDS:
+        if saved.get(key) != now[key]:
+            raise CheckpointError(f"{ckpt} holds another model: {key}={saved.get(key)!r} in the checkpoint, "
+                                  f"{now[key]!r} in the model being loaded")
+
+
+def _check_v1_padding(ckpt: Path, dims: dict[str, Any], saved_tp: int, tp: int) -> None:
+    def padded(t: int) -> tuple[int, ...]:
+        return tuple(-(-dims[k] // t) * t for k in ("vocab_size", "num_kv_heads", "ffn_size"))
+
+    if padded(saved_tp) != padded(tp):
+        raise CheckpointError(
+            f"{ckpt} (format_version 1) was saved at tp={saved_tp}, whose TP padding of this model differs "
+            f"from tp={tp}'s; load it at tp={saved_tp} and save it again (format {FORMAT_VERSION} reshards)")
+
+
+def _flag_built(build_fn):
+    """Wrap a ShardedTensorFactory's build_fn so that the tensors it builds allow a shape mismatch."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def build(*args, **kwargs):
+        built = build_fn(*args, **kwargs)
+        for t in nested_values(built if isinstance(built, (dict, list)) else [built]):
+            if isinstance(t, ShardedTensor):
+                t.allow_shape_mismatch = True
+        return built
+
+    return build
+
+
+def _allow_padding_mismatch(sd: dict[str, Any]) -> None:
+    """Mark the tensors whose global shape depends on the TP padding: all paddings sit at the END
+    of their axis in global coordinates, so loading reads the overlap and zero-fills the rest."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for item in nested_values(sd):
+        if not str(getattr(item, "key", "")).endswith(_PADDED):
+            continue
+        if isinstance(item, ShardedTensor):
+            item.allow_shape_mismatch = True
+        elif isinstance(item, ShardedTensorFactory):  # builds its tensors later (SwiGLU fc1)
+            item.build_fn = _flag_built(item.build_fn)
+
+
+# ---------------------------------------------------------------- the sharded state
+
 def _sharded_state(model: list, optimizer, layout, *, is_loading: bool, with_optimizer: bool,
-                   with_rng: bool) -> dict[str, Any]:
+                   with_rng: bool, version: int, optimizer_format: str) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state: dict[str, Any] = {}
-    model_sd: dict[str, Any] = {}
+    metadata = _MODEL_METADATA[version]
     for i, chunk in enumerate(model):
-        sd = chunk.module.sharded_state_dict() if hasattr(chunk, "module") else chunk.sharded_state_dict()
+        target = chunk.module if hasattr(chunk, "module") else chunk
+        sd = target.sharded_state_dict(metadata=dict(metadata) if metadata else None)
+        if version >= 2:
+            _allow_padding_mismatch(sd)
         state[_model_key(i, len(model))] = sd
-        model_sd.update(sd)
     if with_optimizer and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                          metadata=OPTIM_METADATA)
+        # Nested per chunk: VPP chunks reuse the same local state-dict keys. fully_reshardable builds
+        # its model-space tensors with dataclasses.replace() of the model's sharded tensors
+        # (factories included), so they inherit allow_shape_mismatch.
+        model_sd = {k: v for k, v in state.items()}
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
     if with_rng:
         coords = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                   ps.get_data_parallel_rank())
@@ -252,54 +334,74 @@ def _optimizer_has_state(optimizer) -> bool:
 
 
 def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
-                    extra: dict[str, Any] | None = None, keep_last: int = 0) -> Path:
-    """Collective: save model chunks, optimizer, RNG, step and `extra` (JSON) under `root`."""
+                    extra: dict[str, Any] | None = None, keep_last: int = 0,
+                    optimizer_format: str = "fully_reshardable") -> Path:
+    """Collective: save model chunks, optimizer, RNG, step and `extra` (JSON) under `root`.
+
+    `optimizer_format`: "fully_reshardable" (loads into any layout) or "dp_reshardable" (faster,
+    reshards only over DP)."""
     from megatron.core import dist_checkpointing
 
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        raise CheckpointError(f"optimizer_format {optimizer_format!r}: expected one of {OPTIMIZER_FORMATS}")
     root = Path(root)
     extra_json = json.dumps(extra or {}, sort_keys=True)  # fail before writing anything
+    dims = _dims_record(model)
     name = step_dirname(step)
     tmp = begin_save(root, name)
     # A fresh optimizer has no state to save (and faking one would take an Adam step): it is saved
     # as absent and stays fresh on load, which is exactly the saved situation.
     has_opt = optimizer is not None and _optimizer_has_state(optimizer)
-    state = _sharded_state(model, optimizer, layout, is_loading=False, with_optimizer=has_opt, with_rng=True)
-    state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout),
-                 has_optimizer=has_opt, format_version=FORMAT_VERSION)
+    state = _sharded_state(model, optimizer, layout, is_loading=False, with_optimizer=has_opt, with_rng=True,
+                           version=FORMAT_VERSION, optimizer_format=optimizer_format)
+    state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout), has_optimizer=has_opt,
+                 format_version=FORMAT_VERSION, optimizer_format=optimizer_format, model_dims=dims)
     dist_checkpointing.save(state, str(tmp))
     return commit_save(root, tmp, name, keep_last)
 
 
 def read_common(path: str | Path) -> dict[str, Any]:
-    """Step, layout and extra state of a checkpoint, without building a model."""
+    """Step, layout, extra state, formats and model dims of a checkpoint, without building a model."""
     from megatron.core import dist_checkpointing
 
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint at {path}")
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
-    if common.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt}: not a megatron_rl trainer checkpoint (format_version "
-                              f"{common.get('format_version')!r})")
+    version = common.get("format_version")
+    if version not in _MODEL_METADATA:
+        raise CheckpointError(f"{ckpt}: not a megatron_rl trainer checkpoint this version reads (format_version "
+                              f"{version!r}; readable: {sorted(_MODEL_METADATA)})")
     return {"path": ckpt, "step": int(common["step"]), "layout": dict(common["layout"]),
-            "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"])}
+            "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"]),
+            "format_version": int(version),
+            "optimizer_format": common.get("optimizer_format", "dp_reshardable"),  # v1: always dp_reshardable
+            "model_dims": common.get("model_dims")}
 
 
 def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optimizer: bool = True) -> LoadResult:
-    """Collective: load the checkpoint `path` designates into `model` (+ optimizer, RNG)."""
+    """Collective: load the checkpoint `path` designates into `model` (+ optimizer, RNG), resharded
+    into this layout. Raises CheckpointError for a checkpoint of another model."""
     from megatron.core import dist_checkpointing
 
     meta = read_common(path)
     ckpt: Path = meta["path"]
-    saved = meta["layout"]
+    saved, version, fmt = meta["layout"], meta["format_version"], meta["optimizer_format"]
+    dims = _dims_record(model)
+    if version >= 2:
+        _check_same_model(ckpt, meta["model_dims"] or {}, dims)
+    else:
+        _check_v1_padding(ckpt, dims, int(saved["tp"]), layout.tp)
     same_mp = (saved["tp"], saved["pp"], saved.get("vpp")) == (layout.tp, layout.pp, layout.vpp)
-    with_opt = load_optimizer and optimizer is not None and same_mp and meta["has_optimizer"]
+    want_opt = load_optimizer and optimizer is not None and meta["has_optimizer"]
+    with_opt = want_opt and (fmt == "fully_reshardable" or same_mp)
     with_rng = saved == _layout_now(layout)
-    if load_optimizer and optimizer is not None and not same_mp:
-        log.warning("%s was saved with tp=%s pp=%s vpp=%s; loading the model resharded into tp=%s pp=%s "
-                    "vpp=%s, optimizer state NOT loaded (dp_reshardable)", ckpt, saved["tp"], saved["pp"],
-                    saved.get("vpp"), layout.tp, layout.pp, layout.vpp)
-    state = _sharded_state(model, optimizer, layout, is_loading=True, with_optimizer=with_opt, with_rng=with_rng)
+    if want_opt and not with_opt:
+        log.warning("%s was saved with tp=%s pp=%s vpp=%s and a dp_reshardable optimizer; loading the model "
+                    "resharded into tp=%s pp=%s vpp=%s, optimizer state NOT loaded (Adam restarts)", ckpt,
+                    saved["tp"], saved["pp"], saved.get("vpp"), layout.tp, layout.pp, layout.vpp)
+    state = _sharded_state(model, optimizer, layout, is_loading=True, with_optimizer=with_opt, with_rng=with_rng,
+                           version=version, optimizer_format=fmt)
     loaded = dist_checkpointing.load(state, str(ckpt))
     for i, chunk in enumerate(model):
         target = chunk.module if hasattr(chunk, "module") else chunk
@@ -310,4 +412,4 @@ def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optim
         set_rng_state(loaded["rng_state"])
     _barrier()
     return LoadResult(path=ckpt, step=meta["step"], extra=meta["extra"], saved_layout=saved,
-                      optimizer_loaded=with_opt, rng_restored=with_rng)
+                      optimizer_loaded=with_opt, rng_restored=with_rng, optimizer_format=fmt)

@@ -114,10 +114,12 @@ class Trainer:
         """Collective: atomic checkpoint `root/step_<version>`; `extra` must be JSON-serialisable."""
         state = {_STATE_KEY: {"version": self.version, "step": self.step}, "user": extra or {}}
         return ckpt.save_checkpoint(root, self.model, self.optimizer, self.layout, self.version, state,
-                                    keep_last=self.keep_checkpoints)
+                                    keep_last=self.keep_checkpoints,
+                                    optimizer_format=self.config.trainer.checkpoint_optimizer)
 
     def load(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        """Collective: resume from a checkpoint (a root -> its latest). Returns the `extra` saved."""
+        """Collective: resume from a checkpoint (a root -> its latest), resharded into this layout.
+        Returns the `extra` saved; `last_load` (checkpoint.LoadResult) says what was restored."""
         result = ckpt.load_checkpoint(path, self.model, self.optimizer, self.layout, load_optimizer)
         own = result.extra.get(_STATE_KEY, {})
         self.version = int(own.get("version", result.step))

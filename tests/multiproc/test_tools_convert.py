@@ -1,7 +1,8 @@
 """HF <-> Megatron dist-checkpoint conversion (megatron_rl.tools.convert) with 2 gloo processes.
 
 One torchrun launch converts each model HF -> Megatron at one layout and back to HF at other
-layouts (resharding: TP=2 -> PP=2 and -> TP=1; PP=2 -> TP=2). References are the source
+layouts (resharding: TP=2 -> PP=2 and -> TP=1; across TP padding, which the odd-sized models need
+at TP=2: PP=2 -> TP=2 (padding added) and TP=2 -> TP=1 (padding removed)). References are the source
 safetensors (bit-exact equality of every tensor) and HF transformers logits of the source model.
 """
 import json
@@ -16,7 +17,7 @@ import torch
 from support.train_models import make_tiny_hf, smollm2_fp32_dir
 
 WORKER = Path(__file__).resolve().parent / "scripts" / "tools_convert_worker.py"
-TINY = {  # llama: even sizes (no TP padding: reshardable across TP); the others odd (padded at TP=2)
+TINY = {  # llama: even sizes (no TP padding); the others odd (padded at TP=2)
     "llama": dict(family="llama", layers=2, heads=4, kv_heads=2, intermediate=96, vocab=302),
     "mistral": dict(family="mistral", layers=2, seed=3),
     "qwen2_tied": dict(family="qwen2", layers=2, tie=True, seed=2),
@@ -41,12 +42,14 @@ def converted(tmp_path_factory):
     sources.update({name: make_tiny_hf(root / name, **spec) for name, spec in TINY.items()})
     cases, exports = [], {}
     for name, src in sources.items():
-        if name == "smollm2":  # TP=2 (padded: 3 -> 4 KV groups) round trip; 100 MB shards
-            to_m, outs = {"tp": 2, "pp": 1}, [("tp2", 2, 1, 100)]
+        if name == "smollm2":  # TP=2 (padded: 3 -> 4 KV groups) read back at TP=1 x DP=2; 100 MB shards
+            to_m, outs = {"tp": 2, "pp": 1}, [("tp1", 1, 1, 100)]
         elif name == "llama":  # resharding: TP=2 checkpoint read back at PP=2 and TP=1 (x DP=2)
             to_m, outs = {"tp": 2, "pp": 1}, [("pp2", 1, 2, 1), ("tp1", 1, 1, 1)]
-        else:  # PP=2 checkpoint read back at TP=1 x DP=2; tiny shards exercise the index
-            to_m, outs = {"tp": 1, "pp": 2}, [("tp1", 1, 1, 1)]
+        elif name == "mistral":  # TP padding added: unpadded PP=2 checkpoint read back at TP=2
+            to_m, outs = {"tp": 1, "pp": 2}, [("tp2", 2, 1, 1)]
+        else:  # TP padding removed: padded TP=2 checkpoint read back at TP=1 x DP=2; tiny shards
+            to_m, outs = {"tp": 2, "pp": 1}, [("tp1", 1, 1, 1)]
         ex = [{"out": str(root / f"{name}.{tag}"), "tp": tp, "pp": pp, "shard_mb": mb} for tag, tp, pp, mb in outs]
         for e, (tag, *_rest) in zip(ex, outs):
             exports[(name, tag)] = e
@@ -62,7 +65,7 @@ def converted(tmp_path_factory):
 
 
 def _export_keys():
-    return [("smollm2", "tp2"), ("llama", "pp2"), ("llama", "tp1"), ("mistral", "tp1"), ("qwen2_tied", "tp1")]
+    return [("smollm2", "tp1"), ("llama", "pp2"), ("llama", "tp1"), ("mistral", "tp2"), ("qwen2_tied", "tp1")]
 
 
 @pytest.mark.parametrize("key", _export_keys(), ids=lambda k: f"{k[0]}-{k[1]}")
@@ -100,23 +103,9 @@ def test_shards_index_and_memory_bound(converted):
     largest = max(t.numel() * t.element_size() for t in read_tensors(sources["llama"]).values())
     # a writer holds at most one shard, or one tensor when a single tensor is larger than a shard
     assert report[e["out"]]["peak_buffer_bytes"] <= max(e["shard_mb"] << 20, largest)
-    smol = exports[("smollm2", "tp2")]
+    smol = exports[("smollm2", "tp1")]
     smol_tensors = read_tensors(sources["smollm2"])
     largest = max(t.numel() * t.element_size() for t in smol_tensors.values())  # the embedding, 113 MB
     total = sum(t.numel() * t.element_size() for t in smol_tensors.values())  # 540 MB
     assert report[smol["out"]]["peak_buffer_bytes"] <= max(100 << 20, largest) < total
     assert (Path(smol["out"]) / "config.json").is_file()
-
-
-def test_padding_compatibility_decides_tp_resharding():
-    from transformers import LlamaConfig
-
-    from megatron_rl.tools.convert import padding_compatible
-
-    odd = LlamaConfig(vocab_size=301, hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
-                      intermediate_size=97, num_hidden_layers=2)
-    even = LlamaConfig(vocab_size=302, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=96, num_hidden_layers=2)
-    assert padding_compatible(even, 2, 1) and padding_compatible(even, 1, 2)
-    assert not padding_compatible(odd, 2, 1) and not padding_compatible(odd, 1, 2)
-    assert padding_compatible(odd, 2, 2)

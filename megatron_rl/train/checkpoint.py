@@ -12,10 +12,21 @@ POSIX within one file system) and replaces `latest` through a temporary file + `
 writer killed at any moment leaves either the old `latest` -> old complete checkpoint, or the new
 one: never a half-written checkpoint behind `latest`. Debris is removed by the next save.
 
-Resharding: model weights load into any TP/PP layout (dist_checkpointing reshards). The
-DistributedOptimizer state uses `dp_reshardable` (fast, fully parallel; it can change only the DP
-size), so after a TP/PP change the optimizer state is not loaded (Adam restarts; the caller is told
-through `LoadResult.optimizer_loaded`), and neither is the per-rank RNG state.
+Resharding (format_version 2): a checkpoint loads into any TP/PP/VPP/DP layout, weights and
+Adam state alike, also for models that `train/model.py` pads for TP (vocab, KV groups, MLP width
+rounded up to multiples of tp, so the stored global shapes depend on the saving TP):
+- every padding sits at the END of its axis in global coordinates, so the padded tensors are marked
+  `allow_shape_mismatch` (the load reads the overlap and zero-fills the rest, i.e. the padding);
+- the SwiGLU fc1 is saved with Megatron's `singleton_local_shards` layout (gate and up under
+  separate keys, one key per layer), else up would start at the padded width of the saving TP;
+- the unpadded model dims are stored and checked: a checkpoint of another model is refused with a
+  CheckpointError naming the differing field (the shape mismatch allowance would load it silently).
+Optimizer formats (`save_checkpoint(optimizer_format=...)`, `trainer.checkpoint_optimizer`):
+`fully_reshardable` (default; gathered over DP into model-space tensors while saving, loads into
+any layout) or `dp_reshardable` (each rank's flat shard, the faster save; after a TP/PP/VPP change
+the optimizer state is not loaded and Adam restarts, `LoadResult.optimizer_loaded=False`). RNG
+state is restored only at the identical layout (`LoadResult.rng_restored`). Format 1 checkpoints
+(stacked layer keys, dp_reshardable) still load, at any TP whose padding equals the saving TP's.
 """
 from __future__ import annotations
 

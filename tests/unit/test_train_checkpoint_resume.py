@@ -1,6 +1,8 @@
-"""Resume is bit-exact: 2 updates, save, 2 more == load into a fresh trainer, the same 2 more."""
+"""Resume is bit-exact: 2 updates, save, 2 more == load into a fresh trainer, the same 2 more (also
+from a checkpoint in the previous format, 1)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_rl.records import Batch
@@ -53,3 +55,52 @@ def test_load_restores_rng_streams(tiny_llama_dir, tmp_path):
     torch.manual_seed(6)
     tr.load(tmp_path / "c")
     assert torch.equal(torch.rand(4), expected) and tr.last_load.rng_restored
+
+
+def test_format_1_checkpoint_still_loads_and_resumes(tiny_llama_dir, tmp_path):
+    """A checkpoint in format 1's layout (Megatron's default keys: layers stacked, SwiGLU gate/up in
+    one key; dp_reshardable Adam; no model dims) loads with its optimizer and resumes bit-exactly."""
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.train import checkpoint as ckpt
+    from megatron_rl.train.trainer import Trainer
+
+    hf = hf_model(tiny_llama_dir)
+    batches = [Batch(make_minibatch(hf, n=4, seed=s), n_mini=2, policy_version=s) for s in range(2)]
+    cfg = make_config(tiny_llama_dir, micro_batch_tokens=32, lr=1e-2)
+    a = Trainer(cfg)
+    a.train_on(batches[0])
+    state = ckpt._sharded_state(a.model, a.optimizer, a.layout, is_loading=False, with_optimizer=True,
+                                with_rng=True, version=1, optimizer_format="dp_reshardable")
+    state.update(step=1, extra_json=json.dumps({"_trainer": {"version": 1, "step": 2}, "user": {"k": 1}}),
+                 layout={"tp": 1, "pp": 1, "dp": 1, "vpp": None}, has_optimizer=True, format_version=1)
+    out = tmp_path / "v1" / ckpt.step_dirname(1)
+    out.mkdir(parents=True)
+    dist_checkpointing.save(state, str(out))
+    keys = set(dist_checkpointing.load_tensors_metadata(str(out)))
+    assert "decoder.layers.mlp.linear_fc1.weight" in keys  # really the old layout
+    saved = _params(a)
+    a.train_on(batches[1])
+
+    b = Trainer(cfg)
+    assert b.load(tmp_path / "v1") == {"k": 1} and b.last_load.optimizer_loaded and b.step == 2
+    assert all(torch.equal(v, _params(b)[k]) for k, v in saved.items())
+    b.train_on(batches[1])
+    assert all(torch.equal(v, _params(b)[k]) for k, v in _params(a).items())
+    b.save(tmp_path / "v2")  # saves go to the current format
+    assert "decoder.layers.0.mlp.linear_fc1.weight_w" in dist_checkpointing.load_tensors_metadata(
+        str(tmp_path / "v2" / ckpt.step_dirname(2)))
+    assert ckpt.read_common(tmp_path / "v2")["format_version"] == ckpt.FORMAT_VERSION == 2
+
+
+def test_format_1_refuses_a_tp_whose_padding_differs(tmp_path):
+    from megatron_rl.train.checkpoint import CheckpointError, _check_v1_padding
+
+    odd = {"vocab_size": 301, "num_kv_heads": 3, "ffn_size": 97}
+    even = {"vocab_size": 302, "num_kv_heads": 2, "ffn_size": 96}
+    _check_v1_padding(tmp_path, even, 2, 1)
+    _check_v1_padding(tmp_path, odd, 2, 2)
+    with pytest.raises(CheckpointError, match="load it at tp=2"):
+        _check_v1_padding(tmp_path, odd, 2, 1)

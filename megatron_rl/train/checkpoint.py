@@ -277,34 +277,28 @@ def _check_v1_padding(ckpt: Path, dims: dict[str, Any], saved_tp: int, tp: int) 
             f"from tp={tp}'s; load it at tp={saved_tp} and save it again (format {FORMAT_VERSION} reshards)")
 
 
-def _flag_built(build_fn):
-    """Wrap a ShardedTensorFactory's build_fn so that the tensors it builds allow a shape mismatch."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    def build(*args, **kwargs):
-        built = build_fn(*args, **kwargs)
-        for t in nested_values(built if isinstance(built, (dict, list)) else [built]):
-            if isinstance(t, ShardedTensor):
-                t.allow_shape_mismatch = True
-        return built
-
-    return build
-
-
 def _allow_padding_mismatch(sd: dict[str, Any]) -> None:
     """Mark the tensors whose global shape depends on the TP padding: all paddings sit at the END
     of their axis in global coordinates, so loading reads the overlap and zero-fills the rest."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    def flagging(build_fn):  # a factory (SwiGLU fc1) builds its tensors later: flag them then
+        def build(*args, **kwargs):
+            built = build_fn(*args, **kwargs)
+            for t in nested_values(built if isinstance(built, (dict, list)) else [built]):
+                if isinstance(t, ShardedTensor):
+                    t.allow_shape_mismatch = True
+            return built
+        return build
+
     for item in nested_values(sd):
         if not str(getattr(item, "key", "")).endswith(_PADDED):
             continue
         if isinstance(item, ShardedTensor):
             item.allow_shape_mismatch = True
-        elif isinstance(item, ShardedTensorFactory):  # builds its tensors later (SwiGLU fc1)
-            item.build_fn = _flag_built(item.build_fn)
+        elif isinstance(item, ShardedTensorFactory):
+            item.build_fn = flagging(item.build_fn)
 
 
 # ---------------------------------------------------------------- the sharded state
@@ -326,9 +320,8 @@ def _sharded_state(model: list, optimizer, layout, *, is_loading: bool, with_opt
         # Nested per chunk: VPP chunks reuse the same local state-dict keys. fully_reshardable builds
         # its model-space tensors with dataclasses.replace() of the model's sharded tensors
         # (factories included), so they inherit allow_shape_mismatch.
-        model_sd = {k: v for k, v in state.items()}
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
+            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
     if with_rng:
         coords = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                   ps.get_data_parallel_rank())

@@ -5,9 +5,11 @@ vs HF transformers + torch AdamW on the same batch, same loss, same precision, i
         [--max-len 256] [--micro-tokens 1024] [--steps 3] [--precision fp32]
 
 The HF baseline pads each micro-batch of `--hf-micro` sequences to its longest sequence (the usual
-way) and uses the reference clipped loss with the same token normaliser. Prints tokens/s of both
-(real tokens only, median over `--steps` after one warm-up step) and their ratio. Single process
-(TP=PP=DP=1); on GPU both run on the device.
+way) and uses the reference clipped loss with the same token normaliser. The two steps alternate
+(after one warm-up step each), in swapped order every round, so that load from other processes on a
+shared machine falls on both alike; the ratio is the median over rounds of the per-round ratio.
+Prints tokens/s of both (real tokens only, median over `--steps` rounds) and the ratio. Single
+process (TP=PP=DP=1); on GPU both run on the device.
 """
 from __future__ import annotations
 
@@ -60,16 +62,27 @@ def hf_step(model, opt, seqs, micro: int, eps_low: float, eps_high: float, devic
     opt.step()
 
 
-def timed(fn, steps: int) -> list[float]:
-    fn()  # warm-up
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def timed_pairs(fn_a, fn_b, rounds: int) -> tuple[list[float], list[float]]:
+    """Step times of a and b, alternating (a b, b a, a b, ...) after one warm-up step of each."""
+    fn_a()
+    fn_b()
+    ta, tb = [], []
+    for i in range(rounds):
+        if i % 2 == 0:
+            ta.append(_time(fn_a))
+            tb.append(_time(fn_b))
+        else:
+            tb.append(_time(fn_b))
+            ta.append(_time(fn_a))
+    return ta, tb
 
 
 def main() -> None:
@@ -93,25 +106,30 @@ def main() -> None:
     trainer = Trainer(cfg)
     batch = make_batch(trainer.dims.vocab_size, args.seqs, args.min_len, args.max_len)
     real = sum(len(s.token_ids) for s in batch.sequences)
-    meg_times = timed(lambda: trainer.train_on(batch), args.steps)
-    last = trainer.train_on(batch)
+    metrics: dict = {}
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     hf = resolve_model(args.model).hf_model(torch.float32).to(device).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)
-    hf_times = timed(lambda: hf_step(hf, opt, batch.sequences, args.hf_micro, cfg.algo.eps_low,
-                                     cfg.algo.eps_high, device, dtype), args.steps)
+    meg_times, hf_times = timed_pairs(
+        lambda: metrics.update(trainer.train_on(batch)),
+        lambda: hf_step(hf, opt, batch.sequences, args.hf_micro, cfg.algo.eps_low, cfg.algo.eps_high,
+                        device, dtype),
+        args.steps)
+    last = metrics
 
     meg = real / statistics.median(meg_times)
     base = real / statistics.median(hf_times)
+    ratio = statistics.median(h / m for m, h in zip(meg_times, hf_times))
     print(f"batch: {args.seqs} sequences, {real} tokens (lengths {args.min_len}-{args.max_len}), "
           f"precision {args.precision}, device {device.type}, torch threads {torch.get_num_threads()}")
     print(f"packing: {int(last['n_micro_batches'])} micro-batches of <= {args.micro_tokens} tokens, padding "
           f"{last['padding_fraction']:.1%} (naive padding to the longest: {last['naive_padding_fraction']:.1%})")
     print(f"megatron_rl trainer : {meg:8.1f} tok/s  (step times {[round(t, 2) for t in meg_times]})")
     print(f"HF + torch AdamW    : {base:8.1f} tok/s  (step times {[round(t, 2) for t in hf_times]})")
-    print(f"ratio megatron_rl / HF: {meg / base:.2f}x")
+    print(f"ratio megatron_rl / HF: {ratio:.2f}x  (median of per-round ratios; ratio of medians "
+          f"{meg / base:.2f}x)")
 
 
 if __name__ == "__main__":

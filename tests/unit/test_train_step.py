@@ -126,6 +126,9 @@ def test_loss_metrics_and_gradients_match_hf_reference(tiny_llama_dir):
         assert out2.metrics[key] == pytest.approx(out.metrics[key], rel=1e-6, abs=1e-7), key
     torch.testing.assert_close(params["output_layer.weight"].main_grad, ref_grads["lm_head.weight"],
                                rtol=1e-4, atol=1e-6)
+    sft = forward_backward(trainer.model, seqs, quiet, objective="sft", forward_only=True).metrics
+    assert math.isnan(sft["entropy"])
+    assert sft["loss"] == pytest.approx(-ref["logprob_mean"], rel=1e-4)  # SFT: mean NLL of the tokens
     ok, grad_norm, _ = trainer.optimizer.step()
     assert ok and grad_norm == pytest.approx(ref["grad_norm"], rel=1e-4)
 

@@ -15,7 +15,7 @@ The RL loss is `megatron_rl.ops.fused_clipped_loss` (csrc kernels: log-softmax f
 surrogate, vocab-parallel under TP with Megatron's vocab padding excluded, no float32
 [tokens, vocab] tensor; bf16 logits stay bf16, see `optimizer.wrap_model`). Ratio and clip
 statistics come from the per-token logprobs its forward computed; the entropy metric costs one
-no-grad chunked pass over the logits and is skipped (NaN) when `trainer.log_entropy` is false.
+no-grad chunked pass over the logits and is skipped (the key is absent) when `trainer.log_entropy` is false.
 The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only, through the
 chunked `train.logprobs.token_logprobs`).
 Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
@@ -163,12 +163,15 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext) -> dict[str, float]:
             sums, mins, maxs = flat.split([len(_SUM_KEYS), len(_MIN_KEYS), len(_MAX_KEYS)])
     s = dict(zip(_SUM_KEYS, sums.tolist()))
     n = max(s["n_tokens"], 1.0)
-    return {
+    out = {
         "loss": s["loss_sum"] / n, "n_loss_tokens": s["n_tokens"],
         "clip_frac_low": s["clip_low"] / n, "clip_frac_high": s["clip_high"] / n,
         "ratio_mean": s["ratio_sum"] / n, "ratio_min": float(mins[0]), "ratio_max": float(maxs[0]),
-        "entropy": s["entropy_sum"] / n, "logprob_mean": s["logprob_sum"] / n,
+        "logprob_mean": s["logprob_sum"] / n,
     }
+    if ctx.trainer.log_entropy:  # not measured otherwise: absent rather than NaN in the metrics files
+        out["entropy"] = s["entropy_sum"] / n
+    return out
 
 
 def _all_reduce_int(values: list[int]) -> list[int]:

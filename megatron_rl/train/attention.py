@@ -1,0 +1,210 @@
+"""Segment-aware causal core attention for Megatron-Core's local (non-Transformer-Engine) layer spec.
+
+`SegmentCausalAttention` takes the place of `megatron.core.transformer.dot_product_attention.
+DotProductAttention` as `submodules.core_attention` (same constructor and forward signature). A packed
+micro-batch holds several sequences in one row; Megatron's module scores the whole row against
+itself (a `[b*np, T, T]` float32 tensor) and masks the cross-segment part away. This module instead
+runs `torch.nn.functional.scaled_dot_product_attention` (causal) on each segment, so the cost is
+sum(L_i^2) and no `[T, T]` float tensor exists.
+
+Segments come from, in this order:
+- `packed_seq_params.cu_seqlens_q` (THD format; q/k/v arrive as `[t, np, hn]`), the trainer's path;
+- an explicit boolean mask (Megatron convention, True = masked out) that is block-diagonal causal:
+  its segments are read off it and checked (an exact rebuild must equal the mask); any other mask
+  raises `UnsupportedMaskError` rather than being computed as something else;
+- no mask and a causal layer: one causal segment per row.
+
+Honoured: GQA (enable_gqa), the softmax scale Megatron would use (`config.softmax_scale`, used for
+YaRN; `apply_query_key_layer_scaling` cancels out in Megatron, so it is ignored here too), fp32/bf16/
+fp16 inputs, TP (heads arrive already split per rank), and sliding windows (`config.window_size` =
+(left, 0) with `window_attn_skip_freq`): key j is visible from query i of the same segment iff
+i - left <= j <= i. Megatron's local module replaces the packing mask with a whole-row window mask
+(leaking across segments), so windows are applied here per segment, exactly. Not supported (raise at
+construction): attention dropout > 0, context parallelism, non-vanilla softmax types.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+
+
+class UnsupportedMaskError(ValueError):
+    """An attention mask this module cannot interpret as block-diagonal causal segments."""
+
+
+# One mask object serves every layer of a forward: remember the segments read off the last one.
+_MASK_CACHE: dict = {"ref": None, "version": -1, "segments": None}
+
+
+def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
+    """[(start, end)] of a THD packing; the boundaries must cover exactly `total` tokens."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens {cu} do not describe a packing of {total} tokens")
+    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def segments_from_mask(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of a `[b or 1, 1, T, T]` block-diagonal causal mask (True = masked), its segments.
+
+    Raises UnsupportedMaskError for anything else (padding masks, non-causal, per-head masks)."""
+    if mask.dtype != torch.bool:
+        raise UnsupportedMaskError(f"attention mask must be boolean (True = masked), got {mask.dtype}")
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        raise UnsupportedMaskError(f"attention mask must be [b, 1, T, T], got {tuple(mask.shape)}")
+    t = mask.shape[-1]
+    allowed = ~mask[:, 0]
+    # a block-diagonal causal row i allows exactly keys start(i)..i, start(i) = its segment's start
+    starts = allowed.to(torch.uint8).argmax(dim=-1)  # first allowed key per query
+    idx = torch.arange(t, device=mask.device)
+    seg_start = starts == idx  # query i opens a segment
+    # every query continues the segment of the previous one or opens one
+    ok_first = bool((starts[:, 0] == 0).all())
+    ok_cont = bool((seg_start[:, 1:] | (starts[:, 1:] == starts[:, :-1])).all())
+    if not (ok_first and ok_cont):
+        raise UnsupportedMaskError("attention mask is not block-diagonal causal (packed segments)")
+    rebuilt = (idx[None, None, :] >= starts[:, :, None]) & (idx[None, None, :] <= idx[None, :, None])
+    if not torch.equal(rebuilt, allowed):
+        raise UnsupportedMaskError("attention mask is not block-diagonal causal (packed segments)")
+    rows = []
+    for r in range(mask.shape[0]):
+        bounds = seg_start[r].nonzero().flatten().tolist() + [t]
+        rows.append(list(zip(bounds[:-1], bounds[1:])))
+    return rows
+
+
+def _cached_mask_segments(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    ref = _MASK_CACHE["ref"]
+    if ref is not None and ref() is mask and _MASK_CACHE["version"] == mask._version:
+        return _MASK_CACHE["segments"]
+    segments = segments_from_mask(mask)
+    _MASK_CACHE.update(ref=weakref.ref(mask), version=mask._version, segments=segments)
+    return segments
+
+
+def _window_mask(length: int, left: int, device) -> torch.Tensor:
+    """SDPA boolean mask (True = attend) of causal attention limited to `left` keys back."""
+    i = torch.arange(length, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d <= left)
+
+
+class SegmentCausalAttention(MegatronModule):
+    """Core attention computed per packed segment with SDPA (see the module docstring)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SegmentCausalAttention does not support context parallelism")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"SegmentCausalAttention needs attention_dropout=0, got {dropout}")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SegmentCausalAttention supports softmax_type='vanilla' only, "
+                             f"got {config.softmax_type!r}")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.head_dim = config.kv_channels
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(f"heads ({config.num_attention_heads}) and query groups "
+                             f"({config.num_query_groups}) must divide by TP={tp}")
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.num_query_groups // tp
+        # Megatron divides by layer_number for apply_query_key_layer_scaling and multiplies it back
+        # inside the softmax: the net scale is this one.
+        self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        window = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            if right != 0:
+                raise ValueError(f"window_size={config.window_size}: only causal windows (left, 0)")
+            window = None if left < 0 else int(left)
+        self.window_left = window
+
+    def _segments(self, s: int, b: int, attention_mask, attn_mask_type, packed_seq_params):
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd'")
+            for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+                if getattr(packed_seq_params, name, None) is not None:
+                    raise ValueError(f"packed_seq_params.{name} is not supported")
+            q, kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+            if kv is not None and not torch.equal(q.cpu(), kv.cpu()):
+                raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
+            return [segments_from_cu_seqlens(q, s)]
+        if attention_mask is not None:
+            rows = _cached_mask_segments(attention_mask)
+            if attention_mask.shape[-1] != s:
+                raise UnsupportedMaskError(f"mask is for {attention_mask.shape[-1]} tokens, input has {s}")
+            if len(rows) not in (1, b):
+                raise UnsupportedMaskError(f"mask batch {len(rows)} vs input batch {b}")
+            return rows
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type != AttnMaskType.causal:
+            raise UnsupportedMaskError(f"no attention mask with attn_mask_type={mask_type}: only causal "
+                                       "attention is supported")
+        return [[(0, s)]]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [n, np, L, hn], k/v [n, ng, L, hn] -> [n, np, L, hn], causal (+ window) per row."""
+        length = q.shape[2]
+        gqa = self.heads_per_rank != self.groups_per_rank
+        if self.window_left is not None and length > self.window_left + 1:
+            mask = _window_mask(length, self.window_left, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                              enable_gqa=gqa)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        """[s, b, np, hn] (or THD [t, np, hn]) q and [s, b, ng, hn] k/v -> context [s, b, np * hn]."""
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SegmentCausalAttention")
+        thd = query.dim() == 3
+        if thd:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        s, b, nq, hn = query.shape
+        if key.shape[0] != s:
+            raise ValueError(f"query has {s} tokens, key {key.shape[0]}: only self-attention is supported")
+        if nq != self.heads_per_rank or key.shape[2] != self.groups_per_rank:
+            raise ValueError(f"expected {self.heads_per_rank} query heads and {self.groups_per_rank} groups "
+                             f"per rank, got {nq} and {key.shape[2]}")
+        rows = self._segments(s, b, attention_mask, attn_mask_type, packed_seq_params)
+        # [s, b, h, hn] -> [b, h, s, hn]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if len(rows) == 1 and len(rows[0]) == 1:  # one segment per row: one call for the batch
+            out = self._attend(q, k, v)
+        else:
+            outs = []
+            for r in range(b):
+                segs = rows[r if len(rows) > 1 else 0]
+                outs.append(torch.cat([self._attend(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e])
+                                       for a, e in segs], dim=2))
+            out = torch.cat(outs, dim=0) if b > 1 else outs[0]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, nq * hn)  # [s, b, np * hn]
+        return out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return {}  # no parameters nor buffers (vanilla softmax only)
+
+
+def uses_segment_attention(model) -> bool:
+    """Whether `model` (any wrapper) computes core attention with SegmentCausalAttention."""
+    return any(isinstance(m, SegmentCausalAttention) for m in model.modules())

@@ -217,14 +217,23 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
     return config
 
 
-def layer_spec(use_te: bool | None = None):
+def layer_spec(use_te: bool | None = None, segment_attention: bool = True):
+    """Transformer Engine spec when `use_te` (default: TE importable on GPU), else the local spec, whose
+    core attention is `attention.SegmentCausalAttention` (or Megatron's DotProductAttention with
+    `segment_attention=False`, the reference it is tested against)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
         use_te = te_available()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if segment_attention:
+        from .attention import SegmentCausalAttention
+
+        # per-segment SDPA instead of DotProductAttention's masked [T, T] float32 scores
+        spec.submodules.self_attention.submodules.core_attention = SegmentCausalAttention
+    return spec
 
 
 def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,

@@ -72,10 +72,13 @@ def _pad_multiple(chunk_config) -> int:
 
 
 def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
+    from megatron_rl.train.attention import uses_segment_attention
+
     # bf16 chunks: keep the logits in bf16 (Float16Module would upcast them to a float32
     # [tokens, vocab] copy); the losses accumulate in float32 internally.
     kw = {"fp32_output": False} if getattr(model_chunk, "mrl_half_precision", False) else {}
-    if use_thd:
+    # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
+    if use_thd or uses_segment_attention(model_chunk):
         return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
     return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
 

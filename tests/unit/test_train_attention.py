@@ -1,6 +1,8 @@
 """SegmentCausalAttention against Megatron-Core's DotProductAttention (the local spec's reference core
 attention) on random q/k/v of a packed row: values and q/k/v gradients, GQA, softmax scale, fp32 and
-bf16, sliding windows; masks it cannot interpret raise."""
+bf16, sliding windows; masks it cannot interpret raise. And a packed bin through the step's forward
+gives the logprobs of each sequence alone through HF (with a sliding window too: Megatron's local
+module applies the window to the whole row and leaks across segments there)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -193,3 +195,42 @@ def test_no_parameters_no_state(tp1):
     assert list(ours.state_dict()) == list(ref.state_dict()) == []
     meta = {"dp_cp_group": None}
     assert dict(ours.sharded_state_dict(metadata=meta)) == dict(ref.sharded_state_dict(metadata=meta)) == {}
+
+
+@pytest.mark.parametrize("family,window", [("llama", None), ("mistral", 4)])
+def test_packed_logprobs_equal_one_sequence_at_a_time(tp1, tmp_path, family, window):
+    """A packed bin through the step's forward (THD boundaries, RoPE restarting per segment) gives the
+    logprobs of each sequence run alone through HF transformers; windows shorter than the sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from support.train_models import make_tiny_hf
+    from megatron_rl.records import TrainSequence
+    from megatron_rl.train.attention import uses_segment_attention
+    from megatron_rl.train.hf_weights import load_hf_weights
+    from megatron_rl.train.logprobs import token_logprobs
+    from megatron_rl.train.model import build_model
+    from megatron_rl.train.packing import pack_sequences
+    from megatron_rl.train.step import _forward
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU check of the local spec (on GPU build_model picks Transformer Engine)")
+    model_dir = make_tiny_hf(tmp_path / family, family=family, sliding_window=window)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chunks = build_model(hf.config, tp1, torch.float32, use_te=False)
+    load_hf_weights(chunks, model_dir)
+    assert uses_segment_attention(chunks[0])
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 3, 12, 6)]
+    seqs = [TrainSequence(x, 1, [0.0] * (len(x) - 1), 0.0) for x in ids]
+    packed = pack_sequences(seqs, capacity=64, pad_multiple=8)  # one bin, 30 tokens + 2 of padding
+    (mb,) = packed.micro_batches
+    with torch.no_grad():
+        logits = _forward(chunks[0], mb, use_thd=False)
+        lp = token_logprobs(logits, mb.labels, None, hf.config.vocab_size)[0]
+        start = 0
+        for i in mb.seq_indices:
+            ids = torch.tensor([seqs[i].token_ids])
+            n = ids.shape[1]
+            ref = torch.log_softmax(hf(ids).logits.float()[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[start:start + n - 1], ref, atol=2e-5, rtol=0)
+            start += n

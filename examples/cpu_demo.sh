@@ -38,8 +38,9 @@ python - "$RUN/rl/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 k = max(1, len(rows) // 4)
-def mean(rs, key):
-    return sum(r[key] * r["rollouts"] for r in rs) / sum(r["rollouts"] for r in rs)
+def mean(rs, key):  # weighted by rollouts graded per update (a window may have graded none)
+    n = sum(r.get("rollouts", 0) for r in rs)
+    return sum(r.get(key, 0.0) * r.get("rollouts", 0) for r in rs) / n if n else float("nan")
 for key in ("reward/mean", "pass_rate", "reward/format_ok"):
     print(f"{key:18s} first {k} updates {mean(rows[:k], key):.3f} -> last {k} updates {mean(rows[-k:], key):.3f}")
 PY

@@ -59,8 +59,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str, float]:
     """Reward components, pass rate, lengths and staleness of graded rollouts."""
     rs = list(rollouts)
-    if not rs:
-        return {}
+    if not rs:  # a window in which nothing was graded (e.g. while a generator restarted)
+        return {"rollouts": 0.0}
     n = len(rs)
     out: dict[str, float] = {"rollouts": float(n)}
     keys = sorted({k for r in rs for k in r.reward_components})

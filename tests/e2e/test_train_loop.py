@@ -97,7 +97,8 @@ def _assert_every_prompt_accounted_once(run_dir: Path, problems: Path, seed: int
 
 
 def _rewards(run_dir: Path) -> list[tuple[float, float]]:
-    return [(r["reward/mean"], r["rollouts"]) for r in read_jsonl(run_dir / METRICS_FILE)]
+    # (mean reward, rollouts graded) per update; a window that graded nothing has no reward/mean
+    return [(r.get("reward/mean", 0.0), r["rollouts"]) for r in read_jsonl(run_dir / METRICS_FILE)]
 
 
 def _weighted_mean(rows) -> float:

@@ -3,13 +3,16 @@ vs HF transformers + torch AdamW on the same batch, same loss, same precision, i
 
     .venv/bin/python benchmarks/trainer.py [--model smollm2-135m] [--seqs 16] [--min-len 64]
         [--max-len 256] [--micro-tokens 1024] [--steps 3] [--precision fp32]
+        [--core-attention segment|megatron]
 
 The HF baseline pads each micro-batch of `--hf-micro` sequences to its longest sequence (the usual
 way) and uses the reference clipped loss with the same token normaliser. The two steps alternate
 (after one warm-up step each), in swapped order every round, so that load from other processes on a
 shared machine falls on both alike; the ratio is the median over rounds of the per-round ratio.
 Prints tokens/s of both (real tokens only, median over `--steps` rounds) and the ratio. Single
-process (TP=PP=DP=1); on GPU both run on the device.
+process (TP=PP=DP=1); on GPU both run on the device. `--core-attention megatron` builds the local
+spec with Megatron's DotProductAttention (full [T, T] masked scores) instead of the default
+SegmentCausalAttention, to measure what the per-segment attention changes (CPU / no TE only).
 """
 from __future__ import annotations
 
@@ -95,7 +98,15 @@ def main() -> None:
     ap.add_argument("--hf-micro", type=int, default=4, help="sequences per padded HF micro-batch")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--core-attention", choices=["segment", "megatron"], default="segment",
+                    help="local spec core attention (segment: SegmentCausalAttention)")
     args = ap.parse_args()
+    if args.core_attention == "megatron":
+        import functools
+
+        from megatron_rl.train import model as model_mod
+
+        model_mod.layer_spec = functools.partial(model_mod.layer_spec, segment_attention=False)
 
     from megatron_rl.config import config_from_dict
     from megatron_rl.train.hf_source import resolve_model
@@ -123,7 +134,8 @@ def main() -> None:
     base = real / statistics.median(hf_times)
     ratio = statistics.median(h / m for m, h in zip(meg_times, hf_times))
     print(f"batch: {args.seqs} sequences, {real} tokens (lengths {args.min_len}-{args.max_len}), "
-          f"precision {args.precision}, device {device.type}, torch threads {torch.get_num_threads()}")
+          f"precision {args.precision}, device {device.type}, torch threads {torch.get_num_threads()}, "
+          f"core attention {args.core_attention}")
     print(f"packing: {int(last['n_micro_batches'])} micro-batches of <= {args.micro_tokens} tokens, padding "
           f"{last['padding_fraction']:.1%} (naive padding to the longest: {last['naive_padding_fraction']:.1%})")
     print(f"megatron_rl trainer : {meg:8.1f} tok/s  (step times {[round(t, 2) for t in meg_times]})")

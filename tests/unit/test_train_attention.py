@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 SEGMENTS = [5, 9, 1, 7, 3]  # last one plays the padding segment of a bin
 HEADS, GROUPS, HEAD_DIM = 6, 2, 8
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Megatron's score buffer lives there
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def _qkv(lengths, dtype, batch=1, groups=GROUPS, seed=0):
     k = torch.randn(t, batch, groups, HEAD_DIM, generator=g)
     v = torch.randn(t, batch, groups, HEAD_DIM, generator=g)
     w = torch.randn(t, batch, HEADS * HEAD_DIM, generator=g)
-    return [x.to(dtype).requires_grad_() for x in (q, k, v)], w
+    return [x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v)], w.to(DEVICE)
 
 
 def _packed(lengths):
@@ -62,7 +63,7 @@ def _packed(lengths):
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-    return ~allowed[None, None], params
+    return ~allowed[None, None].to(DEVICE), params
 
 
 def _run(module, qkv, w, **kw):
@@ -119,9 +120,9 @@ def test_batch_of_causal_rows_matches_megatron(tp1, groups):
 
     ours, ref = _modules(_config(groups=groups))
     qkv, w = _qkv([11], torch.float32, batch=3, groups=groups, seed=2)
-    want = _run(ref, qkv, w, mask=causal_mask(11))
+    want = _run(ref, qkv, w, mask=causal_mask(11, DEVICE))
     _assert_same(_run(ours, qkv, w), want, 1e-6)
-    _assert_same(_run(ours, qkv, w, mask=causal_mask(11)), want, 1e-6)
+    _assert_same(_run(ours, qkv, w, mask=causal_mask(11, DEVICE)), want, 1e-6)
 
 
 def test_sliding_window_per_segment_matches_megatron(tp1):

@@ -49,3 +49,16 @@ def free_port() -> int:
     from support.net import free_port as _free_port
 
     return _free_port()
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """Megatron's parallel state for one process (TP=PP=DP=1, gloo), torn down after the module."""
+    import torch.distributed as dist
+
+    from megatron_rl.train.parallel import ParallelLayout, destroy_parallel, init_parallel
+
+    created = not dist.is_initialized()
+    layout = init_parallel(ParallelLayout(), backend="gloo")
+    yield layout
+    destroy_parallel(destroy_process_group=created)

@@ -6,14 +6,12 @@ at TP=2: PP=2 -> TP=2 (padding added) and TP=2 -> TP=1 (padding removed)). Refer
 safetensors (bit-exact equality of every tensor) and HF transformers logits of the source model.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from support.torchrun import run_two_ranks
 from support.train_models import make_tiny_hf, smollm2_fp32_dir
 
 WORKER = Path(__file__).resolve().parent / "scripts" / "tools_convert_worker.py"
@@ -35,8 +33,6 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from support.net import free_port
-
     root = tmp_path_factory.mktemp("tools_convert")
     sources = {"smollm2": smollm2_fp32_dir(tmp_path_factory.getbasetemp())}
     sources.update({name: make_tiny_hf(root / name, **spec) for name, spec in TINY.items()})
@@ -55,12 +51,7 @@ def converted(tmp_path_factory):
             exports[(name, tag)] = e
         cases.append({"src": str(src), "ckpt": str(root / f"{name}.ckpt"), "to_megatron": to_m, "exports": ex})
     (root / "cases.json").write_text(json.dumps(cases))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(WORKER), str(root / "cases.json"), str(root / "report.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert proc.stdout.count("WORKER OK") == 2
+    run_two_ranks(WORKER, root / "cases.json", root / "report.json", timeout=900)
     return sources, exports, json.loads((root / "report.json").read_text())
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -166,7 +164,7 @@ def worker(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from support.net import free_port
+    from support.torchrun import run_two_ranks
     from support.train_models import make_tiny_hf
     from unit.test_train_step import hf_model, make_minibatch
 
@@ -176,12 +174,7 @@ def run(tmp_path_factory):
     batches = [make_minibatch(hf, n=4, seed=s) for s in (0, 1)]
     (root / "batches.json").write_text(json.dumps([[dataclasses.asdict(s) for s in b] for b in batches]))
     (root / "spec.json").write_text(json.dumps({"model_dir": str(model_dir)}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", __file__, str(root)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert proc.stdout.count("WORKER OK") == 2
+    run_two_ranks(__file__, root)
     return root, str(model_dir)
 
 

@@ -6,14 +6,12 @@ logprobs/entropy of a batch, gradients of sum(logprobs * w) mapped back to HF na
 bit-exact HF -> Megatron -> HF export of each stage's shard.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from support.torchrun import run_two_ranks
 from support.train_models import make_tiny_hf, smollm2_fp32_dir
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "train_model_worker.py"
@@ -37,7 +35,6 @@ CASES = [  # (case name, model, tp, pp, vpp, with grads)
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from support.net import free_port
     root = tmp_path_factory.mktemp("train_model_parallel")
     dirs, refs = {}, {}
     from transformers import AutoModelForCausalLM
@@ -71,12 +68,8 @@ def run(tmp_path_factory):
     (root / "cases.json").write_text(json.dumps(cases))
     out = root / "out"
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the gloo CPU path, also on GPU hosts
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(WORKER), str(root / "cases.json"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert proc.stdout.count("WORKER OK") == 2
+    # CUDA hidden: the gloo CPU path, also on GPU hosts
+    run_two_ranks(WORKER, root / "cases.json", out, timeout=800, env={"CUDA_VISIBLE_DEVICES": ""})
     return out, refs
 
 

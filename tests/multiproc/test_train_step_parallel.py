@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -113,9 +111,10 @@ def worker(root: Path) -> None:
 
 # ---------------------------------------------------------------- the test (pytest side)
 
-def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path, free_port):
+def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_path):
     import pytest
 
+    from support.torchrun import run_two_ranks
     from unit.test_train_step import hf_model, make_minibatch, reference
 
     models = {"model_dir": str(tiny_llama_dir), "model4_dir": _odd_vocab_model(tmp_path / "tiny4")}
@@ -129,12 +128,7 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
         (tmp_path / f"seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in seqs]))
         (tmp_path / f"train_seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in train_seqs]))
     (tmp_path / "spec.json").write_text(json.dumps(models))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port}", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert proc.stdout.count("WORKER OK") == 2
+    run_two_ranks(__file__, tmp_path)
 
     from megatron_rl.train.trainer import Trainer
 

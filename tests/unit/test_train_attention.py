@@ -5,21 +5,10 @@ gives the logprobs of each sequence alone through HF (with a sliding window too:
 module applies the window to the whole row and leaks across segments there)."""
 import pytest
 import torch
-import torch.distributed as dist
 
 SEGMENTS = [5, 9, 1, 7, 3]  # last one plays the padding segment of a bin
 HEADS, GROUPS, HEAD_DIM = 6, 2, 8
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Megatron's score buffer lives there
-
-
-@pytest.fixture(scope="module")
-def tp1():
-    from megatron_rl.train.parallel import ParallelLayout, destroy_parallel, init_parallel
-
-    created = not dist.is_initialized()
-    layout = init_parallel(ParallelLayout(), backend="gloo")
-    yield layout
-    destroy_parallel(destroy_process_group=created)
 
 
 def _config(dtype=torch.float32, softmax_scale=None, window=None, skip_freq=None, groups=GROUPS):

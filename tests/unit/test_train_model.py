@@ -2,21 +2,10 @@
 transformers'; HF -> Megatron -> HF export is bit-exact; unsupported configs fail clearly."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from support.train_models import make_tiny_hf, smollm2_fp32_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Megatron puts params on the GPU when one exists
-
-
-@pytest.fixture(scope="module")
-def tp1():
-    from megatron_rl.train.parallel import ParallelLayout, destroy_parallel, init_parallel
-
-    created = not dist.is_initialized()
-    layout = init_parallel(ParallelLayout(), backend="gloo")
-    yield layout
-    destroy_parallel(destroy_process_group=created)
 
 
 def _megatron(hf_dir_or_model, layout, tensors=None, use_te=False):

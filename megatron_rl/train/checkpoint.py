@@ -1,16 +1,9 @@
 """Trainer checkpoints: Megatron `dist_checkpointing`, written atomically, resumable bit-exactly.
 
-Layout under a checkpoint root:
-
-    root/step_00000012/        one complete dist_checkpointing directory (model, optimizer, RNG,
-                               step, layout, the controller's JSON extra state)
-    root/latest                text file naming the newest complete checkpoint ("step_00000012")
-    root/step_00000013.tmp-ab12cd/   a save in progress (or the debris of a crashed one)
-
-A save writes everything into `<name>.tmp-<id>`, then rank 0 renames it to `<name>` (atomic on
-POSIX within one file system) and replaces `latest` through a temporary file + `os.replace`. A
-writer killed at any moment leaves either the old `latest` -> old complete checkpoint, or the new
-one: never a half-written checkpoint behind `latest`. Debris is removed by the next save.
+Each checkpoint is one dist_checkpointing directory `root/step_<N>` (model, optimizer, RNG, step,
+layout, the controller's JSON extra state), written aside and committed by a rename with `root/latest`
+naming the newest complete one (`checkpoint_dirs`: a writer killed at any moment leaves a usable
+previous checkpoint).
 
 Resharding (format_version 2): a checkpoint loads into any TP/PP/VPP/DP layout, weights and
 Adam state alike, also for models that `train/model.py` pads for TP (vocab, KV groups, MLP width
@@ -33,21 +26,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
-import re
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from megatron_rl.train.checkpoint_dirs import barrier, begin_save, commit_save, resolve_checkpoint, step_dirname
 
 log = logging.getLogger(__name__)
 
-LATEST = "latest"
 # 2: one key per layer and the SwiGLU gate/up under separate keys (Megatron's singleton_local_shards),
 #    padded tensors marked allow_shape_mismatch, model dims and optimizer format in the common state.
 # 1: stacked layer keys, gate/up in one key, dp_reshardable optimizer; still loaded (see load_checkpoint).
@@ -62,137 +51,10 @@ DIMS_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_hea
 _PADDED = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
            "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
            "embedding.word_embeddings.weight", "output_layer.weight")
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_MARK = ".tmp-"
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-# ---------------------------------------------------------------- atomic directory mechanics
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast_str(value: str | None) -> str:
-    if not dist.is_initialized():
-        assert value is not None
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def write_pointer(root: Path, name: str) -> None:
-    """Atomically make `root/latest` name `name` (temporary file, fsync, os.replace, fsync dir)."""
-    tmp = root / f"{LATEST}{_TMP_MARK}{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoint directories under `root`, oldest step first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def resolve_checkpoint(path: str | Path) -> Path | None:
-    """The checkpoint directory `path` designates: a root (follows `latest`) or one checkpoint.
-
-    Returns None for a root holding no complete checkpoint.
-    """
-    path = Path(path)
-    if (path / "metadata.json").is_file():  # a dist_checkpointing directory itself
-        return path
-    pointer = path / LATEST
-    if pointer.is_file():
-        target = path / pointer.read_text().strip()
-        if (target / "metadata.json").is_file():
-            return target
-        log.warning("%s names %s, which is not a complete checkpoint; using the newest one", pointer, target)
-    done = [p for p in complete_checkpoints(path) if (p / "metadata.json").is_file()]
-    return done[-1] if done else None
-
-
-def remove_debris(root: Path) -> list[Path]:
-    """Delete leftovers of interrupted saves (`*.tmp-*`); call only while no save runs."""
-    removed = []
-    for p in root.iterdir() if root.is_dir() else []:
-        if _TMP_MARK in p.name:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-            removed.append(p)
-    return removed
-
-
-def begin_save(root: Path, name: str) -> Path:
-    """Rank 0 clears debris and creates a fresh temporary directory; every rank gets its path."""
-    tmp_name = None
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for p in remove_debris(root):
-            log.info("removed debris of an interrupted save: %s", p)
-        tmp_name = f"{name}{_TMP_MARK}{uuid.uuid4().hex[:8]}"
-        (root / tmp_name).mkdir()
-    return root / _broadcast_str(tmp_name)
-
-
-def commit_save(root: Path, tmp: Path, name: str, keep_last: int = 0) -> Path:
-    """After every rank finished writing `tmp`: rename it to `root/name`, move `latest`, prune."""
-    final = root / name
-    _barrier()
-    if _rank() == 0:
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step: move the old one aside first
-            old = root / f"{name}{_TMP_MARK}old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        write_pointer(root, name)
-        if keep_last > 0:
-            for p in complete_checkpoints(root)[:-keep_last]:
-                if p != final:
-                    shutil.rmtree(p)
-    _barrier()
-    return final
 
 
 # ---------------------------------------------------------------- what goes into a checkpoint
@@ -414,6 +276,6 @@ def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optim
         optimizer.load_state_dict(loaded["optimizer"])
     if with_rng:
         set_rng_state(loaded["rng_state"])
-    _barrier()
+    barrier()
     return LoadResult(path=ckpt, step=meta["step"], extra=meta["extra"], saved_layout=saved,
                       optimizer_loaded=with_opt, rng_restored=with_rng, optimizer_format=fmt)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl.train import checkpoint as ck
+from megatron_rl.train import checkpoint_dirs as ck
 
 
 def _fake_save(root: Path, step: int, keep_last: int = 0, payload: str = "x") -> Path:

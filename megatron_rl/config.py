@@ -129,14 +129,8 @@ class RolloutConfig:
         _check(self.temperature > 0, f"{key}.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, f"{key}.top_p", "must lie in (0, 1]")
         _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
-        starts: set[int] = set()
-        for i, entry in enumerate(self.length_schedule):
-            try:
-                start = parse_length_entry(entry)[0]
-            except ValueError as e:
-                raise ConfigError(f"{key}.length_schedule[{i}]: {e}") from None
-            _check(start not in starts, f"{key}.length_schedule[{i}]", f"a stage already starts at update {start}")
-            starts.add(start)
+        # entry syntax and distinct starts (the windows are checked against reward by Config.validate)
+        length_stages(self.length_schedule, self.max_new_tokens, RewardConfig(), key)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ ignored. Leading and inner whitespace, blank lines in the middle, and letter cas
 
 Statuses: ok, compile_error, compile_timeout, wrong_answer, timeout (wall or CPU limit),
 runtime_error, memory (MemoryError / std::bad_alloc under the address-space limit), output_limit,
-sandbox_error (no usable sandbox: the program never ran), unsupported_language.
+unsupported_language, and sandbox_unavailable: bwrap missing, user namespaces refused, the sandbox
+setup failed, or no compiler. The program never ran, so that status is a grading FAILURE, not a
+wrong answer (``CodeResult.graded`` is False; reward.score reports it as its own status).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from megatron_rl.reward.sandbox import BOX, Jail, RunOutcome, available
 from megatron_rl.reward.sandbox_proc import RLimits
 
+SANDBOX_UNAVAILABLE = "sandbox_unavailable"
 PYTHON_TAGS = {"python", "python3", "py", "py3"}
 CPP_TAGS = {"cpp": "c++17", "c++": "c++17", "cxx": "c++17", "cc": "c++17", "cpp11": "c++11",
             "cpp14": "c++14", "cpp17": "c++17", "cpp20": "c++20", "c++11": "c++11",
@@ -44,7 +47,7 @@ class CodeLimits:
     compile_memory_mb: int = 2048  # cc1plus needs more than a contest program
     nproc: int = 64
     fsize_mb: int = 16
-    # Without bwrap/user namespaces the answer is sandbox_error. True = run anyway with rlimits and
+    # Without bwrap/user namespaces the answer is sandbox_unavailable. True = run anyway with rlimits and
     # a uid drop only (no filesystem/network isolation); the result then says sandboxed=False.
     allow_unsandboxed: bool = False
 
@@ -79,6 +82,11 @@ class CodeResult:
     test_s: list[float] = field(default_factory=list)  # wall time of each test run
     total_s: float = 0.0
     sandboxed: bool = True  # False only with allow_unsandboxed=True on a host without a sandbox
+
+    @property
+    def graded(self) -> bool:
+        """False when the program could not be run at all: ``passed`` is then no verdict."""
+        return self.status != SANDBOX_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,7 @@ def classify(out: RunOutcome) -> str:
     """Status of one test run that did not pass for a sandbox/limit/crash reason, or "" if the
     program exited 0 (the output still has to be compared)."""
     if out.setup_error is not None:
-        return "sandbox_error"
+        return SANDBOX_UNAVAILABLE
     if out.output_exceeded:
         return "output_limit"
     if out.timed_out or out.signal == signal.SIGXCPU:
@@ -195,7 +203,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
     jail = _JAILS.setdefault((tc, kind), tc.jail(kind))
     ok, why = available(jail)
     if not ok and not lim.allow_unsandboxed:
-        return done("sandbox_error", n_passed=0, message=why)
+        return done(SANDBOX_UNAVAILABLE, n_passed=0, message=why)
     if not ok:
         sandboxed, jail = False, Jail(bare=True, ro_paths=jail.ro_paths)
 
@@ -206,7 +214,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
             cmd = [tc.python, "-I", f"{BOX}/main.py"]
         else:
             if tc.gxx is None:
-                return done("sandbox_error", n_passed=0, message="g++ not found")
+                return done(SANDBOX_UNAVAILABLE, n_passed=0, message="g++ not found")
             _write(ws, "main.cpp", code)
             comp = jail.run([tc.gxx, f"-std={CPP_TAGS[tag]}", "-O2", "-pipe", "-o", f"{BOX}/prog",
                              f"{BOX}/main.cpp"], rlimits=_rlimits(lim, lim.compile_timeout_s,
@@ -215,7 +223,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
             compile_s = comp.wall_s
             bad = classify(comp)
             if bad:
-                status = {"timeout": "compile_timeout", "sandbox_error": "sandbox_error"}.get(
+                status = {"timeout": "compile_timeout", SANDBOX_UNAVAILABLE: SANDBOX_UNAVAILABLE}.get(
                     bad, "compile_error")
                 return done(status, n_passed=0, compile_s=compile_s,
                             message=comp.setup_error or _tail(comp.stderr))
@@ -252,3 +260,22 @@ def _write(ws: str, name: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     os.chmod(path, 0o644)
+
+
+# A program whose right answer cannot come from anything but running it on this stdin.
+_PROBES = {"python": "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n",
+           "cpp": "#include <iostream>\nint main(){ long s = 0, x; while (std::cin >> x) s += x;"
+                  " std::cout << s << '\\n'; }\n"}
+
+
+def sandbox_probe(language: str = "python") -> tuple[bool, str]:
+    """Grade a tiny program exactly as training would (same sandbox, same toolchain): (True, "") when
+    it ran and printed the right answer, else (False, why) with the sandbox's own error on one line.
+    "python" needs no compiler; "cpp" also checks that g++ works inside the sandbox."""
+    if language not in _PROBES:
+        raise ValueError(f"sandbox_probe: language must be one of {sorted(_PROBES)}, got {language!r}")
+    r = run_tests(_PROBES[language], [{"input": "20 15 7\n", "output": "42\n"}], language)
+    if r.status == "ok":
+        return True, ""
+    why = " ".join(r.message.split())
+    return False, f"{language} sandbox probe: {r.status}: {why[:400]}"

@@ -1,6 +1,8 @@
 """Magistral's reward composition for one response: format gate -> 0.1 -> +0.9 correct ->
 overlong penalty -> +0.1 language consistency. Every number comes from RewardConfig, except the
 penalty window a caller may override per response (the length stage it was generated under).
+A code answer whose program could not be run (no sandbox) gets status "sandbox_unavailable" and no
+verdict, never ``correct=False``: an environment fault must not read as a wrong answer.
 
 math and code verifiers are imported lazily (inside the functions) so this module, and the
 language/format/length parts, import and work on their own.
@@ -53,8 +55,10 @@ def _grade_code(task: CodeTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[b
 
     tests = list(task.tests[:cfg.code_max_tests])  # Magistral: at most 20 tests, all must pass
     result = run_tests(fmt.code, tests, language=task.language, **code_limits(cfg, run_tests))
-    return bool(result.passed), {"code_status": str(result.status), "n_passed": int(result.n_passed),
-                    "n_tests": int(result.n_tests)}
+    details = {"code_status": str(result.status), "n_passed": int(result.n_passed), "n_tests": int(result.n_tests)}
+    if not result.graded:  # the program never ran: score() reports a grading failure, not a wrong answer
+        details["sandbox_error"] = result.message
+    return bool(result.passed), details
 
 
 def penalty_window(cfg: RewardConfig, l_max: int | None = None, l_cache: int | None = None) -> tuple[int, int]:
@@ -105,6 +109,10 @@ def score(task: dict | Task, response: str, config: RewardConfig | None = None,
 
     grade = _grade_code if isinstance(parsed, CodeTask) else _grade_math
     correct, details = grade(parsed, fmt, cfg)
+    if "sandbox_error" in details:  # no verdict: total 0 here is not a reward (RewardBreakdown.status)
+        return RewardBreakdown(format_ok=True, status="sandbox_unavailable", error=details.pop("sandbox_error"),
+                               num_tokens=n_tok, num_tokens_estimated=estimated, details=details,
+                               elapsed_s=time.perf_counter() - start)
     penalty = overlong_penalty(n_tok, *window, cfg.overlong_penalty)
     details["length_window"] = list(window)
     language_ok = False

@@ -8,6 +8,8 @@ time. The parent hands an item to an idle worker and watches two things:
 - the worker itself: if it dies (crash, OOM kill, kill -9), its item is re-issued to another
   worker up to ``max_retries`` times, then gets status "crash"; the worker is restarted.
 An exception raised by the grading function gives status "error" (total 0, message in ``error``).
+Every status but "ok" (these three, and score's "sandbox_unavailable") is a grading failure
+(``RewardBreakdown.grading_failed``): its total 0 is no reward, and callers must not train on it.
 Timings: every breakdown carries ``elapsed_s`` (time in the grader); ``last_stats`` sums up a call.
 
 Spawned workers re-import the parent's main module under the name ``__mp_main__``: scripts that
@@ -43,6 +45,7 @@ class PoolStats:
     n_timeout: int = 0
     n_crash: int = 0
     n_error: int = 0
+    n_failed: int = 0  # items without a verdict: every status but "ok"
     worker_restarts: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
 
@@ -272,6 +275,7 @@ class VerifierPool:
         return PoolStats(n_items=len(results), wall_s=wall, grade_s_total=sum(grade),
                          grade_s_max=max(grade, default=0.0), items_per_s=len(results) / wall if wall else 0.0,
                          n_timeout=by_status["timeout"], n_crash=by_status["crash"], n_error=by_status["error"],
+                         n_failed=sum(n for status, n in by_status.items() if status != "ok"),
                          worker_restarts=restarts, by_status=dict(by_status))
 
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 
 from megatron_rl.reward.sandbox_proc import (
@@ -204,16 +205,22 @@ class Jail:
 
 
 _probe_lock = threading.Lock()
-_probe_cache: dict[tuple, tuple[bool, str]] = {}
+_probe_cache: dict[tuple, tuple[tuple[bool, str], float]] = {}
+# A refusal is probed again after this long: a transient failure (fork refused under load) must not
+# turn every later item of a long-lived verifier worker into a grading failure.
+RETRY_REFUSED_S = 30.0
 
 
 def available(jail: Jail | None = None) -> tuple[bool, str]:
-    """(True, "") when the jail can run here; else (False, reason). Cached per process and jail."""
+    """(True, "") when the jail can run here; else (False, reason). Cached per process and jail
+    (a refusal for RETRY_REFUSED_S only)."""
     jail = jail or Jail()
     key = (os.getpid(), jail.uid(), jail.ro_paths, shutil.which("bwrap"))
     with _probe_lock:
         if key in _probe_cache:
-            return _probe_cache[key]
+            res, at = _probe_cache[key]
+            if res[0] or time.monotonic() - at < RETRY_REFUSED_S:
+                return res
         if not sys.platform.startswith("linux"):
             res = (False, f"the sandbox needs Linux namespaces (platform {sys.platform})")
         elif shutil.which("bwrap") is None:
@@ -226,5 +233,5 @@ def available(jail: Jail | None = None) -> tuple[bool, str]:
             else:
                 why = out.setup_error or f"probe exited {out.exit_code}"
                 res = (False, f"bwrap cannot build the sandbox here (user namespaces?): {why}")
-        _probe_cache[key] = res
+        _probe_cache[key] = (res, time.monotonic())
         return res

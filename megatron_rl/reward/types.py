@@ -52,8 +52,9 @@ class CodeTask:
 
 Task = MathTask | CodeTask
 
-# status of a graded item: graded normally, or what stopped the grading.
-Status = Literal["ok", "timeout", "crash", "error"]
+# status of an item: "ok" = graded (correct or not); anything else = what stopped the grading.
+Status = Literal["ok", "timeout", "crash", "error", "sandbox_unavailable"]
+GRADING_FAILURES = ("timeout", "crash", "error", "sandbox_unavailable")
 
 
 @dataclass
@@ -61,8 +62,10 @@ class RewardBreakdown:
     """Components of one reward. ``total`` is what the trainer uses; the rest explains it.
 
     format_ok is False -> everything else is 0/False (nothing else was graded).
-    ``status`` is "ok" for a normal grading; the verifier pool sets "timeout" / "crash" / "error"
-    (with total 0 and ``error`` saying why) when an item could not be graded.
+    ``status`` "ok": the item was graded, and ``correct`` / ``total`` are its verdict. Any other
+    status means grading FAILED and ``total`` (0) is no reward: "sandbox_unavailable" (score: the
+    code sandbox could not run, so the program never ran), or, set by the verifier pool, "timeout" /
+    "crash" / "error" (grader exception). ``error`` says why; ``grading_failed`` tells the two apart.
     """
 
     format_ok: bool = False
@@ -76,6 +79,11 @@ class RewardBreakdown:
     elapsed_s: float = 0.0  # wall time spent grading this item
     error: str = ""
     details: dict[str, Any] = field(default_factory=dict)  # e.g. code status, n_passed, languages
+
+    @property
+    def grading_failed(self) -> bool:
+        """True when no verdict exists (status other than "ok"): such an item must not be trained on."""
+        return self.status != "ok"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

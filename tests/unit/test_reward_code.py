@@ -215,10 +215,10 @@ def test_template_bomb_hits_compile_timeout():
     assert_still_serving()
 
 
-def test_missing_bwrap_gives_sandbox_error(monkeypatch, tmp_path):
+def test_missing_bwrap_is_sandbox_unavailable_not_a_verdict(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap anywhere
     r = run_tests(PY_ADD, ADD_TESTS)
-    assert (r.passed, r.status) == (False, "sandbox_error") and "bwrap" in r.message
+    assert (r.passed, r.status, r.graded) == (False, "sandbox_unavailable", False) and "bwrap" in r.message
     assert r.sandboxed  # nothing ran at all
     # Explicit opt-in: runs with rlimits + uid drop only, and says so.
     r = run_tests(PY_ADD, ADD_TESTS[:2], allow_unsandboxed=True)

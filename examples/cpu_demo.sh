@@ -25,12 +25,9 @@ if [[ ! -f "$RUN/sft-hf/config.json" ]]; then
 fi
 
 stamp "3/4 asynchronous RL"
-RL_ARGS=("$CFG" "trainer.model=$RUN/sft-hf" "data.path=$RUN/data/problems.jsonl" "run.output_dir=$RUN/rl" "$@")
-if [[ -e "$RUN/rl/checkpoints/latest" ]]; then
-  megatron-rl train "${RL_ARGS[@]}" --resume
-else
-  megatron-rl train "${RL_ARGS[@]}"
-fi
+# run.resume=auto: continue from the run's checkpoint when an earlier demo left one, else start afresh
+megatron-rl train "$CFG" "trainer.model=$RUN/sft-hf" "data.path=$RUN/data/problems.jsonl" "run.output_dir=$RUN/rl" \
+  run.resume=auto "$@"
 
 stamp "4/4 results"
 megatron-rl plot "$RUN/rl"

@@ -312,8 +312,13 @@ class RunConfig:
     output_dir: str = "runs/default"
     updates: int = 100  # trainer updates (each = n_mini optimizer steps)
     checkpoint_every: int = 10
+    # One metrics line per log_every updates, plus one for the final update (and the last before a stop);
+    # each line summarises the updates since the previous line.
     log_every: int = 1
-    resume: bool = False
+    # A checkpoint in output_dir: fresh = refuse to touch it (start a new run in another output_dir),
+    # require = continue from it, error without one (`megatron-rl train --resume`), auto = continue from
+    # it when there is one, else start afresh (a job that may be requeued).
+    resume: Literal["fresh", "auto", "require"] = "fresh"
 
     def validate(self, key: str) -> None:
         _check(self.updates >= 1, f"{key}.updates", "must be >= 1")

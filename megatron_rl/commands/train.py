@@ -20,7 +20,8 @@ _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config (e.g. examples/cpu_demo.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.updates=10")
-    parser.add_argument("--resume", action="store_true", help="continue the run in run.output_dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in run.output_dir from its checkpoint (= run.resume=require)")
 
 
 def _inside_mpi_job() -> bool:

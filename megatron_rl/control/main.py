@@ -22,28 +22,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron_rl.control.main")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true", help="= run.resume=require")
     return p.parse_args(argv)
 
 
-def prepare_run(cfg: Config, layout: RankLayout, resume: bool) -> dict:
+def run_config(args: argparse.Namespace) -> Config:
+    """The config of the command line; `--resume` is `run.resume=require`, over the file and overrides."""
+    return load_config(args.config, args.overrides + (["run.resume=require"] if args.resume else []))
+
+
+def resume_root(cfg: Config) -> Path | None:
+    """The checkpoint root to continue from under `run.resume`, or None to start afresh; ConfigError when
+    the run directory's state and the mode disagree."""
+    run_dir = Path(cfg.run.output_dir)
+    ckpt_root = run_dir / "checkpoints"
+    has_ckpt = (ckpt_root / "latest").exists()
+    if cfg.run.resume == "require" and not has_ckpt:
+        raise ConfigError(f"run.resume: require (--resume) but there is no checkpoint under {ckpt_root}")
+    if cfg.run.resume == "fresh" and has_ckpt:
+        raise ConfigError(f"run.resume: fresh, but {run_dir} already holds a run; pass --resume (or "
+                          f"run.resume=auto) to continue it, or choose another run.output_dir")
+    return ckpt_root if has_ckpt else None
+
+
+def prepare_run(cfg: Config, layout: RankLayout) -> dict:
     """Rank 0: run directory, resolved config, model files for SGLang, ports. Raises on bad input."""
     from megatron_rl.control.model_files import generator_model_dir
 
     run_dir = Path(cfg.run.output_dir)
-    ckpt_root = run_dir / "checkpoints"
-    has_ckpt = (ckpt_root / "latest").exists()
-    if resume and not has_ckpt:
-        raise ConfigError(f"--resume: no checkpoint under {ckpt_root}")
-    if not resume and has_ckpt:
-        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another "
-                          f"run.output_dir")
+    resume = resume_root(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     model_dir = generator_model_dir(cfg.trainer.model, cfg.trainer.precision)
     ports = [cfg.generator.port_base + i for i in range(layout.generators)]
     return {"run_dir": str(run_dir), "model_dir": str(model_dir), "master_port": free_port(),
-            "generator_ports": ports, "resume_root": str(ckpt_root) if resume else None}
+            "generator_ports": ports, "resume_root": str(resume) if resume else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup = None
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = run_config(args)
         layout = RankLayout.from_config(cfg)
         layout.check_world(comm.Get_size())
         if rank == 0:
-            setup = prepare_run(cfg, layout, args.resume)
+            setup = prepare_run(cfg, layout)
     except (ConfigError, RuntimeError, FileNotFoundError, ValueError) as e:
         if rank == 0:
             print(f"megatron-rl train: {e}", file=sys.stderr)

@@ -77,8 +77,6 @@ FALLBACK = {
     "data.seed": "reasoning-gym seed",
     "run.output_dir": "metrics, checkpoints and logs of the run",
     "run.checkpoint_every": "updates between checkpoints (0 = only at the end)",
-    "run.log_every": "updates between metric lines",
-    "run.resume": "continue from the latest checkpoint in output_dir",
 }
 
 

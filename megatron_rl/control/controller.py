@@ -142,10 +142,10 @@ class Controller:
                     progress.update(self.updates_done, self._progress_info())
         finally:
             progress.close()
+        self._write_metrics()  # a stop between two metrics lines: one for the updates since the last
         path = self.checkpoint()
-        summary = {"updates": self.updates_done, "version": self.version, "checkpoint": str(path),
-                   "stopped_early": self.updates_done < total}
-        return summary
+        return {"updates": self.updates_done, "version": self.version, "checkpoint": str(path),
+                "stopped_early": self.updates_done < total}
 
     def shutdown(self) -> None:
         for r in self.layout.trainer_ranks + self.layout.generator_ranks + self.layout.verifier_ranks:
@@ -321,11 +321,11 @@ class Controller:
         return Path(self._await(Tag.SAVED))
 
     # ================================================================== metrics
-    def _write_metrics(self) -> None:
-        row = {"update": self.updates_done, "version": self.version}
-        row.update(self.window.summary(self.version, self.last_train_metrics))
-        row.update(self._batch_stats)
-        row.update({f"push/{k}": v for k, v in self._last_push.items()})
+    def _write_metrics(self) -> None:  # after an update, and at the end (no last_train_metrics: a stop)
+        row = self.window.line(self.cfg.run, self.updates_done, self.version, self.last_train_metrics,
+                               self._batch_stats, self._last_push)
+        if row is None:  # no line due (run.log_every)
+            return
         c = self.budget.counters
         row.update({"groups/dropped_non_diverse": c.groups_dropped_non_diverse,
                     "groups/dropped_stale": c.groups_dropped_stale, "groups/completed": c.groups_completed,

@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per trainer update in RUN_DIR/metrics.jsonl, plus a progress bar.
+"""Run metrics: one JSON line per `run.log_every` trainer updates in RUN_DIR/metrics.jsonl, plus a progress bar.
 
 Lines are flushed as they are written, so a crash loses at most the line being written, and a
 resumed run appends to the same file (each line carries its `update` index).
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from megatron_rl.config import LengthStage
+from megatron_rl.config import LengthStage, RunConfig
 from megatron_rl.records import Rollout
 
 METRICS_FILE = "metrics.jsonl"
@@ -96,13 +96,14 @@ TRAIN_KEYS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_mi
 
 @dataclass
 class UpdateWindow:
-    """What happened between two trainer updates, summarised into one metrics line."""
+    """What happened since the previous metrics line (over `run.log_every` updates), summarised into one."""
 
     graded: list[Rollout] = field(default_factory=list)
     gen_idle_s: float = 0.0
     gen_busy_s: float = 0.0
     trainer_idle_s: float = 0.0
     t0: float = field(default_factory=time.time)
+    updates: list[tuple[dict, dict]] = field(default_factory=list)  # (train, batch and push) of each update
 
     def summary(self, trainer_version: int, train_metrics: dict[str, Any]) -> dict[str, Any]:
         now = time.time()
@@ -115,6 +116,38 @@ class UpdateWindow:
         row["trainer_idle_frac"] = min(1.0, self.trainer_idle_s / wall)
         row["generator_tokens_per_s"] = sum(len(r.completion_ids) for r in self.graded) / wall
         return row
+
+    def line(self, run: RunConfig, update: int, version: int, train_metrics: dict[str, Any],
+             batch_stats: dict[str, Any], push_report: dict[str, Any]) -> dict[str, Any] | None:
+        """Close trainer update `update` in the window with its own values (no train_metrics: none to close,
+        the run stops) and return the window's metrics line when one is due: every run.log_every updates,
+        at run.updates, and when the run stops with updates since the previous line. Rollout statistics
+        and idle fractions cover the whole window; per-update values are merged by `merge_updates`."""
+        if train_metrics:
+            self.updates.append(({k: train_metrics[k] for k in TRAIN_KEYS if k in train_metrics},
+                                 {**batch_stats, **{f"push/{k}": v for k, v in push_report.items()}}))
+        if not self.updates or (train_metrics and update % run.log_every and update < run.updates):
+            return None
+        row = {"update": update, "version": version}
+        row.update(self.summary(version, merge_updates([train for train, _ in self.updates])))
+        row.update(merge_updates([own for _, own in self.updates]))
+        row["updates_in_line"] = len(self.updates)
+        return row
+
+
+def merge_updates(values: list[dict[str, Any]]) -> dict[str, Any]:
+    """One value per key for a line that covers several updates: the mean over the updates that report
+    the key, the min of `*_min` and the max of `*_max` keys, the last of a `version` or a non-number."""
+    if len(values) == 1:
+        return dict(values[0])
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for v in values for k in v):
+        xs = [v[key] for v in values if key in v]
+        if key.endswith("version") or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs):
+            out[key] = xs[-1]
+        else:
+            out[key] = min(xs) if key.endswith("_min") else max(xs) if key.endswith("_max") else sum(xs) / len(xs)
+    return out
 
 
 class Progress:

@@ -103,7 +103,7 @@ class UpdateWindow:
     gen_busy_s: float = 0.0
     trainer_idle_s: float = 0.0
     t0: float = field(default_factory=time.time)
-    updates: list[tuple[dict, dict]] = field(default_factory=list)  # (train, batch and push) of each update
+    per_update: list[tuple[dict, dict]] = field(default_factory=list)  # (train, batch and push) of each update
 
     def summary(self, trainer_version: int, train_metrics: dict[str, Any]) -> dict[str, Any]:
         now = time.time()
@@ -124,14 +124,14 @@ class UpdateWindow:
         at run.updates, and when the run stops with updates since the previous line. Rollout statistics
         and idle fractions cover the whole window; per-update values are merged by `merge_updates`."""
         if train_metrics:
-            self.updates.append(({k: train_metrics[k] for k in TRAIN_KEYS if k in train_metrics},
-                                 {**batch_stats, **{f"push/{k}": v for k, v in push_report.items()}}))
-        if not self.updates or (train_metrics and update % run.log_every and update < run.updates):
+            self.per_update.append(({k: train_metrics[k] for k in TRAIN_KEYS if k in train_metrics},
+                                    {**batch_stats, **{f"push/{k}": v for k, v in push_report.items()}}))
+        if not self.per_update or (train_metrics and update % run.log_every and update < run.updates):
             return None
         row = {"update": update, "version": version}
-        row.update(self.summary(version, merge_updates([train for train, _ in self.updates])))
-        row.update(merge_updates([own for _, own in self.updates]))
-        row["updates_in_line"] = len(self.updates)
+        row.update(self.summary(version, merge_updates([train for train, _ in self.per_update])))
+        row.update(merge_updates([own for _, own in self.per_update]))
+        row["updates_in_line"] = len(self.per_update)
         return row
 
 

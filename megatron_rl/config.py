@@ -79,6 +79,7 @@ class RewardConfig:
     verifier_workers: int = 2  # grading processes per verifier pool
     verifier_item_timeout_s: float = 60.0
     verifier_ranks: int = 0  # MPI ranks dedicated to grading (0: a pool inside the controller rank)
+    regrade_attempts: int = 1  # times a sample whose grading failed is graded again before its group is dropped
 
     def validate(self, key: str) -> None:
         _check(self.l_max is None or self.l_max > 0, f"{key}.l_max", "must be > 0 or null (= the generation cap)")
@@ -93,6 +94,7 @@ class RewardConfig:
         _check(self.code_memory_mb >= 16, f"{key}.code_memory_mb", "must be >= 16")
         _check(self.verifier_workers >= 1, f"{key}.verifier_workers", "must be >= 1")
         _check(self.verifier_ranks >= 0, f"{key}.verifier_ranks", "must be >= 0")
+        _check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
 
 
 @dataclass

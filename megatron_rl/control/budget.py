@@ -4,6 +4,7 @@ Pure bookkeeping (no MPI, no I/O) so every rule is unit-tested:
 - keep `n_async` sequences in flight (groups of G samples of one problem are issued together);
 - a group is complete when all G samples are graded; it gets group-centred advantages, or is
   dropped when its rewards are all equal (non-diverse) and its problem is counted as such;
+- a sample whose grading failed for good has no reward: its group is dropped whole once complete;
 - `take_batch` hands the trainer exactly `n_batch` sequences once that many are ready, after applying
   the staleness bound (groups whose oldest token is more than `max_staleness` versions behind the
   trainer are dropped and their problem re-queued, or kept for importance re-weighting);
@@ -38,15 +39,20 @@ class PendingGroup:
     group_id: str
     problem: Problem
     rollouts: dict[int, Rollout] = field(default_factory=dict)  # graded samples by index
+    failed: set[int] = field(default_factory=set)  # samples whose grading failed for good (no reward)
+
+    def has(self, index: int) -> bool:
+        """The sample is back: graded, or its grading failed for good."""
+        return index in self.rollouts or index in self.failed
 
     def to_dict(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "problem": asdict(self.problem),
-                "rollouts": {str(k): r.to_dict() for k, r in self.rollouts.items()}}
+                "rollouts": {str(k): r.to_dict() for k, r in self.rollouts.items()}, "failed": sorted(self.failed)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PendingGroup":
         return cls(d["group_id"], Problem(**d["problem"]),
-                   {int(k): Rollout.from_dict(r) for k, r in d["rollouts"].items()})
+                   {int(k): Rollout.from_dict(r) for k, r in d["rollouts"].items()}, set(d.get("failed", ())))
 
 
 @dataclass
@@ -70,6 +76,7 @@ class BudgetCounters:
     groups_completed: int = 0
     groups_dropped_non_diverse: int = 0
     groups_dropped_stale: int = 0
+    groups_dropped_grading: int = 0  # a sample's grading failed for good (budget.add_failed)
     sequences_trained: int = 0
     batches: int = 0
 
@@ -88,7 +95,7 @@ class RolloutBudget:
     @property
     def in_flight(self) -> int:
         """Sequences issued and not yet graded."""
-        return sum(self.cfg.group_size - len(g.rollouts) for g in self.groups.values())
+        return sum(self.cfg.group_size - len(g.rollouts) - len(g.failed) for g in self.groups.values())
 
     def free_group_slots(self) -> int:
         """How many new groups fit in the n_async budget right now.
@@ -109,22 +116,23 @@ class RolloutBudget:
     def outstanding_requests(self) -> list[SampleRequest]:
         """Every sample issued but not graded (what to re-issue after a generator restart)."""
         return [SampleRequest(g.group_id, i, g.problem.problem_id)
-                for g in self.groups.values() for i in range(self.cfg.group_size) if i not in g.rollouts]
+                for g in self.groups.values() for i in range(self.cfg.group_size) if not g.has(i)]
 
     # ------------------------------------------------------------------ results
     def add_graded(self, rollout: Rollout) -> str | None:
         """Record a graded sample (Rollout.problem_id carries the group id). Returns the group's fate
-        once complete: "kept", "non_diverse"; None while samples are missing. Duplicates are ignored."""
+        once complete: "kept", "non_diverse", "grading_failed" (see add_failed); None while samples are
+        missing. Duplicates are ignored."""
         group = self.groups.get(rollout.problem_id)
-        if group is None or rollout.sample_index in group.rollouts:
+        if group is None or group.has(rollout.sample_index):
             return None  # late duplicate of a re-issued sample, or an unknown group
         if rollout.reward is None:
             raise ValueError(f"rollout {rollout.problem_id}/{rollout.sample_index} has no reward")
         group.rollouts[rollout.sample_index] = rollout
-        if len(group.rollouts) < self.cfg.group_size:
+        if not self._close(group):
             return None
-        del self.groups[group.group_id]
-        self.counters.groups_completed += 1
+        if group.failed:
+            return "grading_failed"
         samples = [group.rollouts[i] for i in range(self.cfg.group_size)]
         rewards = torch.tensor([[s.reward for s in samples]], dtype=torch.float64)
         if self.algo.drop_non_diverse_groups and not bool(filter_non_diverse(rewards).keep[0]):
@@ -137,6 +145,27 @@ class RolloutBudget:
         self.ready.extend(ReadySequence(s, float(a), group.group_id) for s, a in zip(samples, adv.tolist()))
         self._problems[group.group_id] = group.problem
         return "kept"
+
+    def add_failed(self, group_id: str, sample_index: int) -> str | None:
+        """Record a sample whose grading failed for good: it has no reward. Once every sample of its group
+        is back the whole group is dropped ("grading_failed"): a made-up reward would train a verdict no
+        grader gave, and centring the others on a group with a member missing would bias their advantages.
+        Its problem is not re-queued: one whose grading always fails would be sampled forever."""
+        group = self.groups.get(group_id)
+        if group is None or group.has(sample_index):
+            return None
+        group.failed.add(sample_index)
+        return "grading_failed" if self._close(group) else None
+
+    def _close(self, group: PendingGroup) -> bool:
+        """Retire a group once all its samples are back (graded or failed); False while some are missing."""
+        if len(group.rollouts) + len(group.failed) < self.cfg.group_size:
+            return False
+        del self.groups[group.group_id]
+        self.counters.groups_completed += 1
+        if group.failed:
+            self.counters.groups_dropped_grading += 1
+        return True
 
     # ------------------------------------------------------------------ batching
     def take_batch(self, trainer_version: int) -> Batch | None:

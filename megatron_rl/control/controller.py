@@ -24,18 +24,14 @@ from typing import Any
 
 from megatron_rl.config import Config, LengthStage
 from megatron_rl.control.budget import RolloutBudget
-from megatron_rl.control.grading import LocalGrader
+from megatron_rl.control.grading import GradingLedger, LocalGrader
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow, stage_metrics
 from megatron_rl.control.problems import ProblemQueue, parse_length_schedule, stage_at
 from megatron_rl.control.protocol import (GenerateRequest, GeneratorStatus, GradeItem, PushRequest, RolloutsReport,
-                                          SampleSpec, SaveRequest, Tag, WorkerFailure)
+                                          RunFailed, SampleSpec, SaveRequest, Tag, WorkerFailure)
 from megatron_rl.data.prompts import get_template, render_prompt_ids
-from megatron_rl.records import Problem, Rollout
-
-
-class RunFailed(RuntimeError):
-    """A worker failed in a way the run cannot recover from; the message says which and why."""
+from megatron_rl.records import Problem
 
 
 class Controller:
@@ -66,7 +62,7 @@ class Controller:
         self.stop_requested = False
         self.last_train_metrics: dict[str, Any] = {}
         self._idle_since: float | None = time.time()
-        self._pending_rollouts: dict[tuple[str, int], Rollout] = {}  # being graded
+        self.ledger = GradingLedger(cfg.reward.regrade_attempts, cfg.rollout.n_async)  # samples being graded
         self._awaited: dict[Tag, Any] = {}
         self._held: list[tuple[int, Tag, Any]] = []  # messages that arrived during an _await
         self._row_ready = False
@@ -209,9 +205,8 @@ class Controller:
             if group is None:
                 continue
             r.max_new_tokens, r.l_max, r.l_cache = stage.max_new_tokens, stage.l_max, stage.l_cache
-            self._pending_rollouts[key] = r
-            items.append(GradeItem(key, group.problem.task, self.template.assistant_prefix + r.text,
-                                   len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache))
+            items.append(self.ledger.add(r, GradeItem(key, group.problem.task, self.template.assistant_prefix + r.text,
+                                                      len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache)))
         if items:
             self._submit_grades(items)
 
@@ -229,26 +224,26 @@ class Controller:
             self._on_graded(self.grader.poll())
 
     def _on_graded(self, results: list[tuple[tuple[str, int], dict]]) -> None:
-        for key, breakdown in results:
-            rollout = self._pending_rollouts.pop(tuple(key), None)
-            if rollout is None:
-                continue
-            rollout.reward = float(breakdown["total"])
-            rollout.reward_components = {
-                "format_ok": float(breakdown["format_ok"]), "correct": float(breakdown["correct"]),
-                "length_penalty": float(breakdown["length_penalty"]),
-                "language_ok": float(breakdown["language_ok"]),
-                "grading_failed": float(breakdown.get("status", "ok") != "ok")}
-            self.window.graded.append(rollout)
+        """Verdicts go to the budget; a failed grading is graded again or, given up on, drops its group."""
+        settled, again = self.ledger.settle(results, self.window)
+        if again:
+            self._submit_grades(again)
+        for rollout, failed in settled:
             group = self.budget.groups.get(rollout.problem_id)
-            fate = self.budget.add_graded(rollout)
+            if failed:
+                fate = self.budget.add_failed(rollout.problem_id, rollout.sample_index)
+            else:
+                self.window.graded.append(rollout)
+                fate = self.budget.add_graded(rollout)
             if fate is not None and group is not None:
                 self._on_group_done(group, fate)
 
     def _on_group_done(self, group, fate: str) -> None:
         rollouts = group.rollouts.values()
-        pass_rate = sum(r.reward_components.get("correct", 0.0) for r in rollouts) / len(group.rollouts)
-        self.queue.record(group.problem.problem_id, pass_rate)
+        pass_rate = None  # a group with a sample nobody could grade says nothing about its problem
+        if fate != "grading_failed":
+            pass_rate = sum(r.reward_components.get("correct", 0.0) for r in rollouts) / len(group.rollouts)
+            self.queue.record(group.problem.problem_id, pass_rate)
         self.prompt_ids.pop(group.group_id, None)
         self.events.write({"group_id": group.group_id, "problem_id": group.problem.problem_id, "fate": fate,
                            "pass_rate": pass_rate, "rewards": [r.reward for r in rollouts],
@@ -329,6 +324,7 @@ class Controller:
         c = self.budget.counters
         row.update({"groups/dropped_non_diverse": c.groups_dropped_non_diverse,
                     "groups/dropped_stale": c.groups_dropped_stale, "groups/completed": c.groups_completed,
+                    "groups/dropped_grading": c.groups_dropped_grading,
                     "in_flight": self.budget.in_flight, "ready": len(self.budget.ready)})
         row.update(stage_metrics(self._stage()))
         self.metrics.write(row)

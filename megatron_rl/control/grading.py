@@ -3,7 +3,11 @@
 `LocalGrader` runs a `reward.VerifierPool` in a background thread of the controller process (the
 pool's worker processes do the grading); `verifier_loop` serves the same pool on a dedicated
 verifier rank, fed over MPI by the controller (see controller.py). Both survive hung items
-(per-item timeout -> reward 0, status "timeout") and crashed grading processes (re-issued).
+(per-item timeout -> status "timeout") and crashed grading processes (re-issued).
+
+A result whose status is not "ok" (timeout, crash, error, sandbox_unavailable) is a grading FAILURE,
+never a reward: `GradingLedger` sends the sample to be graded again (reward.regrade_attempts times),
+then gives up on it, and the controller drops its whole group (`RolloutBudget.add_failed`).
 
 Each item is graded with the overlong-penalty window of the length stage its rollout was requested
 under (`GradeItem.l_max` / `l_cache`), never the stage current when it is graded: with asynchronous generation a
@@ -14,10 +18,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Any
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.control.protocol import GradeItem, Tag
+from megatron_rl.control.metrics import UpdateWindow
+from megatron_rl.control.protocol import GradeItem, RunFailed, Tag
+from megatron_rl.records import Rollout
 from megatron_rl.reward import VerifierPool
+
+Key = tuple[str, int]  # (group id, sample index)
 
 
 def _grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[tuple[str, int], dict]]:
@@ -26,6 +35,71 @@ def _grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[tuple[str, 
                          "l_max": it.l_max, "l_cache": it.l_cache}
                         for it in items])
     return [(it.key, r.to_dict()) for it, r in zip(items, results)]
+
+
+def apply_verdict(rollout: Rollout, breakdown: dict[str, Any]) -> None:
+    """Stamp a graded ("ok") breakdown on its rollout: the reward and its components."""
+    rollout.reward = float(breakdown["total"])
+    rollout.reward_components = {k: float(breakdown[k]) for k in ("format_ok", "correct", "length_penalty",
+                                                                   "language_ok")}
+
+
+class GradingLedger:
+    """Samples out for grading, until each has a verdict or is given up on.
+
+    A failed grading is counted by status in the update window and the sample is graded again, up to
+    `regrade_attempts` times (a timeout under load, a crashed worker or a verifier node without a
+    sandbox may pass the next time, on another worker or rank). Then it is given up on: `settle`
+    reports it as failed and the caller drops its group. When `give_up_after` samples in a row are
+    given up on with no verdict in between, grading itself is broken (e.g. no sandbox on any
+    verifier): RunFailed with the last error, rather than a run that silently trains on nothing.
+    """
+
+    def __init__(self, regrade_attempts: int, give_up_after: int):
+        if regrade_attempts < 0 or give_up_after < 1:
+            raise ValueError(f"need regrade_attempts >= 0 and give_up_after >= 1, got {regrade_attempts}, "
+                             f"{give_up_after}")
+        self.regrade_attempts, self.give_up_after = regrade_attempts, give_up_after
+        self.pending: dict[Key, tuple[Rollout, GradeItem]] = {}
+        self._failures: dict[Key, int] = {}
+        self._given_up_in_a_row = 0
+
+    def add(self, rollout: Rollout, item: GradeItem) -> GradeItem:
+        self.pending[item.key] = (rollout, item)
+        return item
+
+    def settle(self, results: list[tuple[Key, dict]], window: UpdateWindow
+               ) -> tuple[list[tuple[Rollout, bool]], list[GradeItem]]:
+        """(rollout, failed) for each sample now settled (verdicts stamped on their rollouts), and the
+        items to grade again. Results for samples no longer pending (late duplicates) are ignored."""
+        settled: list[tuple[Rollout, bool]] = []
+        again: list[GradeItem] = []
+        for key, breakdown in results:
+            key = tuple(key)
+            if key not in self.pending:
+                continue
+            rollout, item = self.pending[key]
+            status = breakdown.get("status", "ok")
+            if status == "ok":
+                apply_verdict(rollout, breakdown)
+                self._given_up_in_a_row = 0
+            else:
+                window.grading_failed[status] += 1
+                self._failures[key] = self._failures.get(key, 0) + 1
+                if self._failures[key] <= self.regrade_attempts:
+                    window.regraded += 1
+                    again.append(item)
+                    continue
+                self._given_up_in_a_row += 1
+                if self._given_up_in_a_row >= self.give_up_after:
+                    why = " ".join(str(breakdown.get("error", "")).split())[:300]
+                    raise RunFailed(f"grading failed for {self._given_up_in_a_row} samples in a row with no "
+                                    f"verdict in between (last: {status}: {why}); `megatron-rl doctor` checks "
+                                    f"the sandbox")
+            del self.pending[key]
+            self._failures.pop(key, None)
+            settled.append((rollout, status != "ok"))
+        return settled, again
 
 
 class LocalGrader:

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -98,7 +99,9 @@ TRAIN_KEYS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_mi
 class UpdateWindow:
     """What happened since the previous metrics line (over `run.log_every` updates), summarised into one."""
 
-    graded: list[Rollout] = field(default_factory=list)
+    graded: list[Rollout] = field(default_factory=list)  # verdicts only: failed gradings are not rewards
+    grading_failed: Counter = field(default_factory=Counter)  # failed grading attempts by status
+    regraded: int = 0  # of those, how many were sent to be graded again
     gen_idle_s: float = 0.0
     gen_busy_s: float = 0.0
     trainer_idle_s: float = 0.0
@@ -110,6 +113,9 @@ class UpdateWindow:
         wall = max(1e-9, now - self.t0)
         row: dict[str, Any] = {"time": now, "wall_s": wall}
         row.update(rollout_stats(self.graded, trainer_version))
+        row["grading/failed"] = sum(self.grading_failed.values())
+        row.update({f"grading/failed/{status}": n for status, n in sorted(self.grading_failed.items())})
+        row["grading/regraded"] = self.regraded
         row.update({f"train/{k}": train_metrics[k] for k in TRAIN_KEYS if k in train_metrics})
         gen_total = self.gen_idle_s + self.gen_busy_s
         row["generator_idle_frac"] = self.gen_idle_s / gen_total if gen_total else None

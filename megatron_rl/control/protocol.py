@@ -97,6 +97,10 @@ class WorkerFailure:
     fatal: bool = True
 
 
+class RunFailed(RuntimeError):
+    """A worker failed in a way the run cannot recover from; the message says which and why."""
+
+
 def batch_summary(batch: Batch) -> dict[str, float]:
     lengths = [s.completion_len for s in batch.sequences]
     return {"batch_sequences": float(len(lengths)), "batch_tokens": float(sum(lengths))}

@@ -9,7 +9,6 @@ import os
 import pickle
 import time
 from fractions import Fraction
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,33 +20,12 @@ from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from megatron_rl.control.protocol import GenerateRequest, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout
 from megatron_rl.reward import VerifierPool
+from support.control import CharTokenizer, PickleComm
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 GEN_RANK = 2  # rank 0 controller, rank 1 trainer, rank 2 generator, rank 3 verifier (when used)
 ANSWER = "Two and two make four.</think>\nThe answer is $\\boxed{4}$."  # after the template's "<think>\n"
-
-
-class PickleComm:
-    """Stands in for the MPI communicator: records what the controller sends, pickled as MPI would."""
-
-    def __init__(self):
-        self.sent: list[tuple[int, int, object]] = []
-
-    def send(self, obj, dest, tag):
-        self.sent.append((dest, tag, pickle.loads(pickle.dumps(obj))))
-
-    def take(self, tag: Tag) -> list[tuple[int, object]]:
-        hit = [(d, o) for d, t, o in self.sent if t == tag]
-        self.sent = [(d, t, o) for d, t, o in self.sent if t != tag]
-        return hit
-
-
-class CharTokenizer:
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return SimpleNamespace(input_ids=[ord(c) % 251 for c in text])
 
 
 def closed_form(n: int, l_max: int, l_cache: int, p: Fraction = Fraction(1, 10)) -> float:
@@ -93,7 +71,7 @@ def _generate(request: GenerateRequest, lengths: list[int]) -> RolloutsReport:
 def _grade_all(ctrl: Controller, comm: PickleComm, pool: VerifierPool | None, keys) -> None:
     """Run grading until the given samples are graded (the controller's own poll or a verifier rank)."""
     deadline = time.time() + 120
-    while any(k in ctrl._pending_rollouts for k in keys):
+    while any(k in ctrl.ledger.pending for k in keys):
         assert time.time() < deadline, "grading did not finish"
         if pool is None:
             ctrl._collect_grades()

@@ -14,6 +14,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def sandbox() -> dict:
+    """A real run of a tiny Python program in the code sandbox (what grading does), not a lookup of
+    bwrap: bwrap may be installed and still be refused user namespaces, or miss the interpreter."""
+    from megatron_rl.reward.code import sandbox_probe
+
+    ok, why = sandbox_probe("python")
+    return {"ok": ok, "why": why}
+
+
 def collect() -> dict:
     import torch
 
@@ -30,6 +39,7 @@ def collect() -> dict:
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "megatron_cpu_shims": ensure_megatron_cpu() if versions["megatron-core"] else [],
         "bubblewrap": shutil.which("bwrap"),
+        "sandbox": sandbox(),
         "mpiexec": shutil.which("mpiexec"),
     }
 
@@ -44,5 +54,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'cuda devices':18s} {info['cuda_devices']}")
     print(f"{'megatron shims':18s} {', '.join(info['megatron_cpu_shims']) or 'none'}")
     print(f"{'bubblewrap':18s} {info['bubblewrap'] or 'MISSING'}")
+    sandbox = info["sandbox"]
+    print(f"{'code sandbox':18s} {'ok' if sandbox['ok'] else 'NOT USABLE: ' + sandbox['why']}")
     print(f"{'mpiexec':18s} {info['mpiexec'] or 'MISSING'}")
     return 0

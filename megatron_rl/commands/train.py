@@ -39,6 +39,9 @@ def _mpiexec() -> str:
 def main(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.control.layout import RankLayout
+    from megatron_rl.control.preflight import check_code_sandbox
+    from megatron_rl.data.sources import DataError
+    from megatron_rl.reward.sandbox import SandboxUnavailable
 
     rank_args = [args.config, *args.overrides] + (["--resume"] if args.resume else [])
     if _inside_mpi_job():
@@ -46,9 +49,15 @@ def main(args: argparse.Namespace) -> int:
 
         return rank_main(rank_args)
     try:
-        layout = RankLayout.from_config(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        layout = RankLayout.from_config(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 1
+    try:  # before starting any rank: a problem set that cannot load, or code tasks nothing can grade
+        check_code_sandbox(cfg)
+    except (DataError, SandboxUnavailable) as e:
+        print(f"megatron-rl train: {e}", file=sys.stderr)
         return 1
     cmd = [_mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "megatron_rl.control.main", *rank_args]
     print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)

@@ -48,7 +48,9 @@ def resume_root(cfg: Config) -> Path | None:
 def prepare_run(cfg: Config, layout: RankLayout) -> dict:
     """Rank 0: run directory, resolved config, model files for SGLang, ports. Raises on bad input."""
     from megatron_rl.control.model_files import generator_model_dir
+    from megatron_rl.control.preflight import check_code_sandbox
 
+    check_code_sandbox(cfg)  # srun starts the ranks directly: this is the first check they all wait on
     run_dir = Path(cfg.run.output_dir)
     resume = resume_root(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

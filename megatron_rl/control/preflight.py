@@ -1,0 +1,37 @@
+"""What `megatron-rl train` checks before any rank starts work: rewards it could not compute must not
+become a run that trains on nothing (every code group dropped as a grading failure).
+
+The check runs where it is called: in the launching process and on rank 0. Verifier ranks on other
+nodes are not probed here; if their sandbox cannot run, the controller stops the run once no sample
+can be graded (control.grading.GradingLedger).
+"""
+from __future__ import annotations
+
+from megatron_rl.config import Config
+from megatron_rl.reward.sandbox import SandboxUnavailable
+
+# Sources whose tasks can be code: a JSONL file, and HumanEval (which the data loader refuses for
+# training with its own message). reasoning_gym and champ build math tasks only.
+_MAY_HOLD_CODE = ("jsonl", "humaneval")
+
+
+def code_languages(cfg: Config) -> list[str]:
+    """Languages of the code tasks of the configured problem set (empty: none). Raises DataError on a
+    problem set that cannot be loaded."""
+    if cfg.data.source not in _MAY_HOLD_CODE:
+        return []
+    from megatron_rl.data import iter_problems
+
+    return sorted({p.task.get("language", "python") for p in iter_problems(cfg.data) if p.task.get("kind") == "code"})
+
+
+def check_code_sandbox(cfg: Config) -> None:
+    """SandboxUnavailable (one line, with the probe's own error) when the problem set has code tasks
+    and the sandbox cannot grade a program of their language here."""
+    from megatron_rl.reward.code import sandbox_probe
+
+    for language in code_languages(cfg):
+        ok, why = sandbox_probe(language)
+        if not ok:
+            raise SandboxUnavailable(f"{cfg.data.path} has {language} code tasks but the code sandbox cannot "
+                                     f"run here ({why}); `megatron-rl doctor` checks it")

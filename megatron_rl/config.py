@@ -31,16 +31,25 @@ class AlgoConfig:
 
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher (Magistral uses 0.26-0.28)
-    # Advantage normalisation: `minibatch` (Magistral), `group` (GRPO-style), `none`.
+    # Advantage normalisation after group centring: `minibatch` (Magistral: (A - mean) / std over each
+    # optimizer minibatch), `group` (GRPO: divided by the std of the sample's own group), `none`.
     adv_norm: Literal["minibatch", "group", "none"] = "minibatch"
     # Weighting of the minibatch mean/std: each token counts (`token`) or each sequence (`sequence`).
     adv_norm_weighting: Literal["token", "sequence"] = "token"
-    group_std: bool = False  # divide group-centred advantages by the group std (GRPO ablation)
     drop_non_diverse_groups: bool = True
-    # Optional KL to a reference policy; off by default as in Magistral.
+    # Optional KL(policy || reference) with a true gradient; off by default as in Magistral. The reference
+    # is a frozen copy of the initial weights on the trainer ranks. k2: sequence-level k2 loss added to the
+    # surrogate; reward: kl_coef * sum_t (log pi - log ref) subtracted from each sample's reward (score function).
     kl_mode: Literal["none", "k2", "reward"] = "none"
-    kl_coef: float = 0.0
-    # Truncated importance weights on stale behaviour logprobs (None = off).
+    kl_coef: float = 0.0  # KL weight; 0 with a kl_mode only measures the KL (metric `kl`), without a penalty
+    # Copy the current weights into the reference every N updates (0: the reference stays the initial weights).
+    kl_ref_refresh_every: int = 0
+    # Anchor of the importance ratio. behaviour: the generator's logprobs (Magistral). trainer: the decoupled
+    # objective: the trainer's logprobs of the weights at the start of the update (one extra forward pass),
+    # with the behaviour mismatch as a per-token weight exp(proximal - behaviour), truncated at tis_cap.
+    proximal: Literal["behaviour", "trainer"] = "behaviour"
+    # Truncation of importance weights (None = off): of exp(proximal - behaviour) with proximal: trainer,
+    # else of each token's ratio pi / pi_behaviour in its gradient.
     tis_cap: float | None = None
     # Advantage estimator for pass@k training (None = plain pass@1 / GRPO).
     pass_at_k: int | None = None
@@ -49,8 +58,9 @@ class AlgoConfig:
         _check(0.0 <= self.eps_low < 1.0, f"{key}.eps_low", "must lie in [0, 1)")
         _check(self.eps_high >= 0.0, f"{key}.eps_high", "must be >= 0")
         _check(self.kl_coef >= 0.0, f"{key}.kl_coef", "must be >= 0")
-        _check(self.kl_mode == "none" or self.kl_coef > 0, f"{key}.kl_coef",
-               f"must be > 0 when kl_mode is {self.kl_mode!r}")
+        _check(self.kl_mode != "none" or self.kl_coef == 0, f"{key}.kl_coef",
+               "has no effect with kl_mode: none (choose k2 or reward)")
+        _check(self.kl_ref_refresh_every >= 0, f"{key}.kl_ref_refresh_every", "must be >= 0 (0 = never)")
         _check(self.tis_cap is None or self.tis_cap >= 1.0, f"{key}.tis_cap", "must be >= 1 or null")
         _check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
 
@@ -110,6 +120,9 @@ class RolloutConfig:
     top_p: float = 1.0
     # Bound on (trainer version - oldest token version); older rollouts are handled by stale_policy.
     max_staleness: int = 4
+    # drop: stale groups are dropped and their problems re-queued. reweight: they are kept and trained with
+    # the decoupled objective (needs algo.proximal: trainer and algo.tis_cap): each token's importance weight
+    # exp(proximal - behaviour), which grows with the version lag, truncated at tis_cap.
     stale_policy: Literal["drop", "reweight"] = "drop"
     # Stages by update index, "UPDATE:TOKENS" or "UPDATE:TOKENS:L_MAX:L_CACHE" (e.g. ["0:2048", "100:4096"]):
     # from update UPDATE on, requests get max_new_tokens = TOKENS and their rollouts are graded with the
@@ -341,7 +354,11 @@ class Config:
     def validate(self, key: str = "") -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
-        check_length_penalty(self.rollout, self.reward)  # the one check across two sections
+        check_length_penalty(self.rollout, self.reward)  # checks across sections
+        if self.rollout.stale_policy == "reweight":
+            _check(self.algo.proximal == "trainer" and self.algo.tis_cap is not None, "rollout.stale_policy",
+                   "reweight trains stale samples with truncated importance weights: it needs algo.proximal: "
+                   "trainer and algo.tis_cap set")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

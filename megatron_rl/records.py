@@ -42,6 +42,8 @@ class Rollout:
     max_new_tokens: int | None = None
     l_max: int | None = None
     l_cache: int | None = None
+    # Sampling temperature: the behaviour logprobs are of log_softmax(logits / temperature).
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -71,12 +73,17 @@ class TrainSequence:
     behaviour_logprobs: list[float]  # one per completion token (len(token_ids) - prompt_len)
     advantage: float  # group-centred advantage (minibatch normalisation happens in the trainer)
     weight_versions: list[int] = field(default_factory=list)
+    # Temperature the completion was sampled at: the trainer scores it with logits / temperature.
+    temperature: float = 1.0
+    group_id: str = ""  # samples of one prompt share it (the KL-in-reward baseline is per group)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids) - self.prompt_len
         if self.prompt_len < 1 or n < 1:
             raise ValueError(f"sequence needs >= 1 prompt and >= 1 completion token (prompt_len={self.prompt_len}, "
                              f"total={len(self.token_ids)})")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy samples cannot be trained on), got {self.temperature}")
         if len(self.behaviour_logprobs) != n:
             raise ValueError(f"{n} completion tokens but {len(self.behaviour_logprobs)} behaviour logprobs")
 

@@ -159,7 +159,7 @@ class GroupAdvantages:
 def compute_group_advantages(rewards: Tensor, cfg) -> GroupAdvantages:
     """Rewards `[n_groups, G]` -> advantages per the AlgoConfig-like `cfg` (duck-typed so `algo/`
     imports nothing but torch): `pass_at_k` selects the pass@k estimator, else r - group mean
-    (divided by the group std if `group_std`); `drop_non_diverse_groups` filters constant groups.
+    (divided by the group std if `adv_norm` is "group"); `drop_non_diverse_groups` filters constant groups.
     Minibatch normalisation (`normalize`, with cfg.adv_norm / cfg.adv_norm_weighting) comes later,
     per optimizer minibatch.
     """
@@ -174,5 +174,5 @@ def compute_group_advantages(rewards: Tensor, cfg) -> GroupAdvantages:
     if cfg.pass_at_k is not None:
         adv = pass_at_k_advantages(kept, cfg.pass_at_k)
     else:
-        adv = group_advantages(kept, std=cfg.group_std)
+        adv = group_advantages(kept, std=cfg.adv_norm == "group")
     return GroupAdvantages(advantages=adv, keep=filt.keep, n_dropped=filt.n_dropped)

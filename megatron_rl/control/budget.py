@@ -67,7 +67,8 @@ class ReadySequence:
         r = self.rollout
         return TrainSequence(token_ids=list(r.prompt_ids) + list(r.completion_ids), prompt_len=len(r.prompt_ids),
                              behaviour_logprobs=list(r.behaviour_logprobs), advantage=self.advantage,
-                             weight_versions=list(r.weight_versions))
+                             weight_versions=list(r.weight_versions), temperature=r.temperature,
+                             group_id=self.group_id)
 
 
 @dataclass
@@ -141,7 +142,7 @@ class RolloutBudget:
         if self.algo.pass_at_k:
             adv = pass_at_k_advantages(rewards, min(self.algo.pass_at_k, self.cfg.group_size))[0]
         else:
-            adv = group_advantages(rewards, std=self.algo.group_std)[0]
+            adv = group_advantages(rewards, std=self.algo.adv_norm == "group")[0]
         self.ready.extend(ReadySequence(s, float(a), group.group_id) for s, a in zip(samples, adv.tolist()))
         self._problems[group.group_id] = group.problem
         return "kept"

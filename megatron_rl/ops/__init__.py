@@ -3,7 +3,8 @@
 - `fused_clipped_loss(logits, targets, behaviour_logprobs, advantages, mask, eps_low, eps_high,
   tp_group=None, *, vocab_size=None, return_logprobs=False, ...)`: from (vocab-parallel, bf16 or fp32)
   logits, without a float32 [tokens, vocab] tensor; `vocab_size` excludes Megatron's TP vocab padding,
-  `return_logprobs` also hands back the detached per-token logprobs (for ratio/clip metrics).
+  `return_logprobs` also hands back the detached per-token logprobs (for ratio/clip metrics), `kl`
+  adds a sequence-level k2 KL term (`SequenceKL`) to the same gradient.
 - `fused_linear_clipped_loss(hidden, weight, ...)`: from hidden states and the output weight, in token
   chunks, so the logits never exist in full.
 - `token_logprobs(logits, targets, tp_group=None, vocab_size=None)`: the per-token logprobs alone.
@@ -13,10 +14,12 @@ gradient). Kernels come from csrc/ (built by setup.py with MEGATRON_RL_BUILD_EXT
 in time and cached); without a compiler a PyTorch path is used after a one-time warning.
 """
 from ._backend import backend_name, extension_available, extension_error
+from ._core import SequenceKL
 from .fused_linear import fused_linear_clipped_loss
 from .fused_loss import fused_clipped_loss, token_logprobs
 
 __all__ = [
+    "SequenceKL",
     "backend_name",
     "extension_available",
     "extension_error",

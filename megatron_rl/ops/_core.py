@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_rl.algo.kl import kl_k2_segment_sum
 from megatron_rl.algo.loss import clipped_token_loss
 
 from . import _backend
@@ -29,6 +30,18 @@ class TokenInputs:
     mask: Tensor  # bool [N]
     proximal: Tensor | None  # [N] or None
     shape: tuple[int, int]
+    kl: "SequenceKL | None" = None  # flattened to [N] tensors
+
+
+@dataclass
+class SequenceKL:
+    """A sequence-level k2 KL term added to the fused loss: `weight * sum_i 1/2 (sum_{t in i}
+    (logp_t - ref_logprobs_t))^2` over the unmasked tokens, sequences given by `segment_ids` (a packed
+    row holds several). Its gradient is a sample of grad KL(pi || ref) (see algo.kl). Shapes `[B, T]`."""
+
+    ref_logprobs: Tensor
+    segment_ids: Tensor
+    weight: float
 
 
 @dataclass
@@ -99,7 +112,7 @@ def pad_columns(grad: Tensor, shard: VocabShard) -> Tensor:
 
 
 def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, mask,
-                         proximal_logprobs=None) -> TokenInputs:
+                         proximal_logprobs=None, kl: SequenceKL | None = None) -> TokenInputs:
     """Check [B, T] shapes/dtypes and flatten; advantages may be [B] or [B, T]."""
     b, t = batch_shape
     for name, x in (("targets", targets), ("behaviour_logprobs", behaviour_logprobs), ("mask", mask)):
@@ -113,6 +126,14 @@ def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, m
         raise ValueError(f"advantages must be [B] or [B, T] = {(b, t)}, got {tuple(advantages.shape)}")
     if proximal_logprobs is not None and tuple(proximal_logprobs.shape) != (b, t):
         raise ValueError(f"proximal_logprobs must be [B, T], got {tuple(proximal_logprobs.shape)}")
+    if kl is not None:
+        for name, x in (("kl.ref_logprobs", kl.ref_logprobs), ("kl.segment_ids", kl.segment_ids)):
+            if tuple(x.shape) != (b, t):
+                raise ValueError(f"{name} must be [B, T] = {(b, t)}, got {tuple(x.shape)}")
+        # one segment id space over all rows: a sequence never spans two rows
+        seg = kl.segment_ids.to(torch.int64) + (torch.arange(b, device=kl.segment_ids.device) *
+                                                (int(kl.segment_ids.max()) + 1 if kl.segment_ids.numel() else 0))[:, None]
+        kl = SequenceKL(kl.ref_logprobs.reshape(-1).detach(), seg.reshape(-1), float(kl.weight))
     return TokenInputs(
         targets=targets.reshape(-1).to(torch.int64).contiguous(),
         behaviour=behaviour_logprobs.reshape(-1).detach(),
@@ -120,6 +141,7 @@ def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, m
         mask=mask.reshape(-1).bool(),
         proximal=None if proximal_logprobs is None else proximal_logprobs.reshape(-1).detach(),
         shape=(b, t),
+        kl=kl,
     )
 
 
@@ -163,5 +185,8 @@ def loss_and_coef(logp: Tensor, tok: TokenInputs, sl: slice, eps_low: float, eps
             proximal_logprobs=None if tok.proximal is None else tok.proximal[sl][None],
             tis_cap=tis_cap,
         )
+        if tok.kl is not None:
+            loss = loss + tok.kl.weight * kl_k2_segment_sum(lp, tok.kl.ref_logprobs[sl], tok.mask[sl],
+                                                            tok.kl.segment_ids[sl])
         coef = torch.autograd.grad(loss, lp)[0] if need_coef else None
     return loss.detach(), coef

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from ._core import (VocabShard, check_targets, flatten_token_inputs, loss_and_coef, pad_columns,
+from ._core import (SequenceKL, VocabShard, check_targets, flatten_token_inputs, loss_and_coef, pad_columns,
                     real_columns, reduce_stats, resolve_normalizer, shard_lse_stats)
 
 
@@ -53,7 +53,7 @@ def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tens
                        mask: Tensor, eps_low: float = 0.2, eps_high: float = 0.28, tp_group=None, *,
                        normalizer=None, inplace_backward: bool = False, tis_cap: float | None = None,
                        proximal_logprobs: Tensor | None = None, vocab_size: int | None = None,
-                       return_logprobs: bool = False):
+                       return_logprobs: bool = False, kl: SequenceKL | None = None):
     """Scalar loss equal (value and gradient) to
     `clipped_token_loss(log_softmax(logits).gather(targets), behaviour_logprobs, advantages, mask, ...)`.
 
@@ -72,13 +72,15 @@ def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tens
     return_logprobs: also return the detached per-token logprobs `[B, T]` (float32; float64 for float64
         logits) that the forward computed
         (for ratio/clip statistics without a second pass): `(loss, logprobs)`.
+    kl: a sequence-level k2 term to add (`SequenceKL`: reference logprobs, which sequence each token
+        belongs to, weight); it is O(tokens) and enters the same per-token gradient coefficient.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V_local], got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     tok = flatten_token_inputs(logits.shape[:2], targets, behaviour_logprobs, advantages, mask,
-                               proximal_logprobs)
+                               proximal_logprobs, kl)
     shard = VocabShard.of(logits.shape[-1], tp_group, vocab_size)
     check_targets(tok, shard.vocab_size)
     norm = resolve_normalizer(tok.mask, normalizer)

@@ -171,7 +171,8 @@ class Generator:
                 self._on_unreachable(s, incarnation, e)
                 return
             r = to_rollout(out, problem_id=s.problem_id, sample_index=s.sample_index,
-                           prompt_ids=s.prompt_ids, generator_id=self.generator_id)
+                           prompt_ids=s.prompt_ids, generator_id=self.generator_id,
+                           temperature=s.sampling.get("temperature", 1.0))
             with self._lock:
                 self._pending.pop(s.rid, None)
                 idle = not self._pending

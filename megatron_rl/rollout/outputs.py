@@ -50,7 +50,7 @@ def finish_reason(meta: dict) -> FinishReason:
 
 
 def to_rollout(out: dict, *, problem_id: str, sample_index: int, prompt_ids: list[int],
-               generator_id: int) -> Rollout:
+               generator_id: int, temperature: float = 1.0) -> Rollout:
     meta = out.get("meta_info") or {}
     ids = out.get("output_ids")
     if ids is None:
@@ -67,4 +67,4 @@ def to_rollout(out: dict, *, problem_id: str, sample_index: int, prompt_ids: lis
     return Rollout(problem_id=problem_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
                    completion_ids=list(ids), behaviour_logprobs=[float(x[0]) for x in lps],
                    weight_versions=versions, finish_reason=finish_reason(meta),
-                   text=out.get("text", ""), generator_id=generator_id)
+                   text=out.get("text", ""), generator_id=generator_id, temperature=float(temperature))

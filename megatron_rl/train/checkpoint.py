@@ -99,6 +99,10 @@ class LoadResult:
     optimizer_loaded: bool = True  # False: not reshardable to this layout, not asked, or never stepped
     rng_restored: bool = True  # only at the identical TP/PP/DP/VPP layout
     optimizer_format: str = "dp_reshardable"
+    reference_loaded: bool = False  # the KL reference policy came from the checkpoint
+
+
+REFERENCE_PREFIX = "reference."  # sharded keys of the KL reference policy
 
 
 def _layout_now(layout) -> dict[str, Any]:
@@ -166,7 +170,8 @@ def _allow_padding_mismatch(sd: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the sharded state
 
 def _sharded_state(model: list, optimizer, layout, *, is_loading: bool, with_optimizer: bool,
-                   with_rng: bool, version: int, optimizer_format: str) -> dict[str, Any]:
+                   with_rng: bool, version: int, optimizer_format: str,
+                   reference: list | None = None) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -190,6 +195,10 @@ def _sharded_state(model: list, optimizer, layout, *, is_loading: bool, with_opt
         shape = (layout.pp, layout.tp, layout.dp)
         state["rng_state"] = ShardedObject("rng_state", rng_state() if not is_loading else None,
                                            shape, coords, replica_id=0)
+    for i, chunk in enumerate(reference or []):  # the KL reference policy, under its own key prefix
+        sd = chunk.sharded_state_dict(prefix=REFERENCE_PREFIX, metadata=dict(metadata) if metadata else None)
+        _allow_padding_mismatch(sd)
+        state[f"reference{i}"] = sd
     return state
 
 
@@ -201,11 +210,11 @@ def _optimizer_has_state(optimizer) -> bool:
 
 def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
                     extra: dict[str, Any] | None = None, keep_last: int = 0,
-                    optimizer_format: str = "fully_reshardable") -> Path:
+                    optimizer_format: str = "fully_reshardable", reference: list | None = None) -> Path:
     """Collective: save model chunks, optimizer, RNG, step and `extra` (JSON) under `root`.
 
     `optimizer_format`: "fully_reshardable" (loads into any layout) or "dp_reshardable" (faster,
-    reshards only over DP)."""
+    reshards only over DP). `reference`: the KL reference policy's chunks, saved beside the model."""
     from megatron.core import dist_checkpointing
 
     if optimizer_format not in OPTIMIZER_FORMATS:
@@ -219,9 +228,10 @@ def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
     # as absent and stays fresh on load, which is exactly the saved situation.
     has_opt = optimizer is not None and _optimizer_has_state(optimizer)
     state = _sharded_state(model, optimizer, layout, is_loading=False, with_optimizer=has_opt, with_rng=True,
-                           version=FORMAT_VERSION, optimizer_format=optimizer_format)
+                           version=FORMAT_VERSION, optimizer_format=optimizer_format, reference=reference)
     state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout), has_optimizer=has_opt,
-                 format_version=FORMAT_VERSION, optimizer_format=optimizer_format, model_dims=dims)
+                 format_version=FORMAT_VERSION, optimizer_format=optimizer_format, model_dims=dims,
+                 has_reference=reference is not None)
     dist_checkpointing.save(state, str(tmp))
     return commit_save(root, tmp, name, keep_last)
 
@@ -242,11 +252,13 @@ def read_common(path: str | Path) -> dict[str, Any]:
             "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"]),
             "format_version": int(version),
             "optimizer_format": common.get("optimizer_format", "dp_reshardable"),  # v1: always dp_reshardable
-            "model_dims": common.get("model_dims")}
+            "model_dims": common.get("model_dims"), "has_reference": bool(common.get("has_reference", False))}
 
 
-def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optimizer: bool = True) -> LoadResult:
-    """Collective: load the checkpoint `path` designates into `model` (+ optimizer, RNG), resharded
+def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optimizer: bool = True,
+                    reference: list | None = None) -> LoadResult:
+    """Collective: load the checkpoint `path` designates into `model` (+ optimizer, RNG, and the KL
+    reference policy into `reference` when both the caller and the checkpoint have one), resharded
     into this layout. Raises CheckpointError for a checkpoint of another model."""
     from megatron.core import dist_checkpointing
 
@@ -266,16 +278,24 @@ def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optim
         log.warning("%s was saved with tp=%s pp=%s vpp=%s and a dp_reshardable optimizer; loading the model "
                     "resharded into tp=%s pp=%s vpp=%s, optimizer state NOT loaded (Adam restarts)", ckpt,
                     saved["tp"], saved["pp"], saved.get("vpp"), layout.tp, layout.pp, layout.vpp)
+    with_ref = reference if meta["has_reference"] else None
     state = _sharded_state(model, optimizer, layout, is_loading=True, with_optimizer=with_opt, with_rng=with_rng,
-                           version=version, optimizer_format=fmt)
+                           version=version, optimizer_format=fmt, reference=with_ref)
     loaded = dist_checkpointing.load(state, str(ckpt))
     for i, chunk in enumerate(model):
         target = chunk.module if hasattr(chunk, "module") else chunk
         target.load_state_dict(loaded[_model_key(i, len(model))])
+    for i, chunk in enumerate(with_ref or []):
+        chunk.load_state_dict(_strip_prefix(loaded[f"reference{i}"], REFERENCE_PREFIX))
     if with_opt:
         optimizer.load_state_dict(loaded["optimizer"])
     if with_rng:
         set_rng_state(loaded["rng_state"])
     barrier()
     return LoadResult(path=ckpt, step=meta["step"], extra=meta["extra"], saved_layout=saved,
-                      optimizer_loaded=with_opt, rng_restored=with_rng, optimizer_format=fmt)
+                      optimizer_loaded=with_opt, rng_restored=with_rng, optimizer_format=fmt,
+                      reference_loaded=with_ref is not None)
+
+
+def _strip_prefix(sd: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}

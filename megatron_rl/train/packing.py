@@ -83,6 +83,12 @@ class PackedMicroBatch:
     cu_seqlens: torch.Tensor  # int32 [n_segments + 1] boundaries (padding included as a segment)
     seq_indices: list[int]  # indices of the packed sequences in the caller's list
     n_real_tokens: int  # tokens of real sequences (excluding padding)
+    # float32 [1, T]: sampling temperature of each position's sequence (None: every sequence at 1)
+    temperature: torch.Tensor | None = None
+    # Filled on the last pipeline stage by the logprob passes of an update (train.update), aligned with
+    # labels: the trainer's logprobs of the weights at the update start, and the reference policy's.
+    proximal_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -91,6 +97,13 @@ class PackedMicroBatch:
     @property
     def n_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def set_advantages(self, values: Sequence[float]) -> None:
+        """Replace the advantages with `values[i]` for the i-th sequence of the caller's list."""
+        real = len(self.seq_indices)
+        per_segment = torch.tensor([float(values[i]) for i in self.seq_indices] + [0.0], dtype=torch.float32)
+        adv = per_segment[self.segment_ids.clamp_max(real)]
+        self.advantages = torch.where(self.loss_mask[0] > 0, adv, 0.0).unsqueeze(0)
 
     def attention_mask(self) -> torch.Tensor:
         """Block-diagonal causal mask `[1, 1, T, T]`, Megatron convention: True = masked out."""
@@ -151,6 +164,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     blp = torch.zeros(length, dtype=torch.float32)
     adv = torch.zeros(length, dtype=torch.float32)
     segment_ids = torch.full((length,), len(indices), dtype=torch.long)
+    temps = [float(seqs[i].temperature) for i in indices]
+    temperature = torch.ones(length, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
     cu = [0]
     start = 0
     for j, i in enumerate(indices):
@@ -165,6 +180,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         blp[start + p - 1:start + n - 1] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         adv[start + p - 1:start + n - 1] = float(advantages[i])
         segment_ids[start:start + n] = j
+        if temperature is not None:
+            temperature[start:start + n] = temps[j]
         start += n
         cu.append(start)
     if start < length:  # padding: its own causal segment, positions from 0, no loss
@@ -174,7 +191,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         tokens=tokens.unsqueeze(0), position_ids=position_ids.unsqueeze(0), labels=labels.unsqueeze(0),
         loss_mask=loss_mask.unsqueeze(0), behaviour_logprobs=blp.unsqueeze(0), advantages=adv.unsqueeze(0),
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        seq_indices=list(indices), n_real_tokens=start)
+        seq_indices=list(indices), n_real_tokens=start,
+        temperature=None if temperature is None else temperature.unsqueeze(0))
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,

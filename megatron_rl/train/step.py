@@ -16,6 +16,13 @@ surrogate, vocab-parallel under TP with Megatron's vocab padding excluded, no fl
 [tokens, vocab] tensor; bf16 logits stay bf16, see `optimizer.wrap_model`). Ratio and clip
 statistics come from the per-token logprobs its forward computed; the entropy metric costs one
 no-grad chunked pass over the logits and is skipped (the key is absent) when `trainer.log_entropy` is false.
+Logits are divided by each sequence's sampling temperature before anything reads them: the generator's
+behaviour logprobs are of log_softmax(logits / T), so the ratio compares like with like.
+Trainer-side logprobs (`collect_logprobs`: the proximal policy of the decoupled objective, the reference
+policy of the KL) run the same packed micro-batches forward-only and are stored on them (train.update
+orchestrates those passes per update); with `algo.kl_mode: k2` the fused loss adds the sequence-level
+k2 term with weight kl_coef * n_tokens / n_sequences of the minibatch, so that after Megatron's division
+by the token count it is kl_coef times the minibatch mean of 1/2 (log pi(y) - log ref(y))^2.
 The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only, through the
 chunked `train.logprobs.token_logprobs`).
 Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
@@ -23,6 +30,7 @@ so every rank returns the same numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -35,13 +43,14 @@ from megatron_rl.algo.advantages import normalize
 from megatron_rl.algo.loss import clipped_token_loss_with_stats
 from megatron_rl.config import AlgoConfig, TrainerConfig
 from megatron_rl.records import TrainSequence
-from megatron_rl.ops import fused_clipped_loss
+from megatron_rl.ops import SequenceKL, fused_clipped_loss
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
-from megatron_rl.train.packing import PackedMicroBatch, PackingStats, pack_sequences, split_balanced
+from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, pack_sequences, split_balanced
 
 Objective = Literal["rl", "sft"]
 # Reduced per micro-batch: sums, then mins/maxes (order matters for the all-reduce below).
-_SUM_KEYS = ("loss_sum", "n_tokens", "clip_low", "clip_high", "ratio_sum", "entropy_sum", "logprob_sum")
+_SUM_KEYS = ("loss_sum", "n_tokens", "clip_low", "clip_high", "ratio_sum", "entropy_sum", "logprob_sum",
+             "kl_sum", "seq_count", "is_weight_sum")
 _MIN_KEYS = ("ratio_min",)
 _MAX_KEYS = ("ratio_max",)
 
@@ -55,11 +64,23 @@ class StepContext:
     layout: object  # ParallelLayout
     vocab_size: int
     use_thd: bool = False  # packed THD attention (Transformer Engine); explicit masks otherwise
+    kl_weight: float = 0.0  # weight of the sequence-level k2 term in this minibatch's token-sum loss
 
 
-def minibatch_advantages(seqs: Sequence[TrainSequence], algo: AlgoConfig) -> list[float]:
-    """Per-sequence advantages after the minibatch normalisation the config asks for."""
-    adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float64)
+@dataclass
+class PreparedMinibatch:
+    """One optimizer minibatch (the same whole list on every rank) and this DP rank's packed share."""
+
+    seqs: list[TrainSequence]
+    share: list[int]  # indices into seqs packed on this rank
+    packed: PackedBatch
+
+
+def minibatch_advantages(seqs: Sequence[TrainSequence], algo: AlgoConfig,
+                         values: Sequence[float] | None = None) -> list[float]:
+    """Per-sequence advantages (`values`, else each sequence's own) after the minibatch normalisation
+    the config asks for."""
+    adv = torch.tensor([s.advantage for s in seqs] if values is None else list(values), dtype=torch.float64)
     if algo.adv_norm != "minibatch":  # `group` is done by the controller when grouping; `none` is none
         return adv.tolist()
     lengths = torch.tensor([s.completion_len for s in seqs])
@@ -83,21 +104,36 @@ def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
     return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
 
 
+def _tempered(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
+    """logits / T per position (a copy only when some sequence was sampled at T != 1)."""
+    if mb.temperature is None:
+        return logits
+    return logits / mb.temperature.to(device=logits.device, dtype=logits.dtype)[..., None]
+
+
 def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx: StepContext, tp_group):
     """Fused clipped-surrogate token SUM (log-softmax fused, vocab-parallel, logits in their own dtype)
-    and the ratio/clip statistics of the per-token logprobs its forward computed."""
+    plus the k2 KL term when asked, and the ratio/clip/KL statistics of the per-token logprobs its
+    forward computed."""
     algo = ctx.algo
+    kl = None
+    if algo.kl_mode == "k2":
+        kl = SequenceKL(mb.ref_logprobs, mb.segment_ids[None], ctx.kl_weight)
     loss_sum, logp = fused_clipped_loss(
         logits, mb.labels, mb.behaviour_logprobs, mb.advantages, mask, algo.eps_low, algo.eps_high,
         tp_group, normalizer=1.0, vocab_size=ctx.vocab_size, tis_cap=algo.tis_cap,
+        proximal_logprobs=mb.proximal_logprobs, kl=kl,
         # the gradient overwrites the logits buffer: nothing reads the logits after this loss
         inplace_backward=True, return_logprobs=True)
     with torch.no_grad():  # O(tokens): the surrogate's statistics on the same logprobs
         _, st = clipped_token_loss_with_stats(logp, mb.behaviour_logprobs, mb.advantages, mask,
                                               algo.eps_low, algo.eps_high, normalizer=1.0,
-                                              tis_cap=algo.tis_cap)
+                                              proximal_logprobs=mb.proximal_logprobs, tis_cap=algo.tis_cap)
+        kl_sum = (torch.where(mask, logp - mb.ref_logprobs, 0.0).sum() if mb.ref_logprobs is not None
+                  else torch.zeros(()))
     stats = {"clip_low": st.clip_frac_low * st.n_tokens, "clip_high": st.clip_frac_high * st.n_tokens,
-             "ratio_sum": st.ratio_mean * st.n_tokens, "ratio_min": st.ratio_min, "ratio_max": st.ratio_max}
+             "ratio_sum": st.ratio_mean * st.n_tokens, "ratio_min": st.ratio_min, "ratio_max": st.ratio_max,
+             "kl_sum": kl_sum, "is_weight_sum": st.is_weight_mean * st.n_tokens}
     return loss_sum, logp, stats
 
 
@@ -113,6 +149,7 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
     log_entropy = ctx.trainer.log_entropy
     entropy = None
     if objective == "rl":
+        output = _tempered(output, mb)
         if log_entropy:  # before the loss: its backward overwrites the logits
             entropy = token_entropy(output.detach(), tp_group, vocab_size=ctx.vocab_size)
         loss_sum, logp, stats = _rl_loss(output, mb, mask, ctx, tp_group)
@@ -123,12 +160,13 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
         loss_sum = -torch.where(mask, logp, 0.0).sum()
         zero = torch.zeros((), dtype=torch.float32)
         stats = {"clip_low": zero, "clip_high": zero, "ratio_sum": n.float(), "ratio_min": torch.ones(()),
-                 "ratio_max": torch.ones(())}
+                 "ratio_max": torch.ones(()), "kl_sum": zero, "is_weight_sum": n.float()}
     with torch.no_grad():
         reduced = {"loss_sum": loss_sum.detach().float(), "n_tokens": n.float(),
                    "entropy_sum": (torch.where(mask, entropy, 0.0).sum().float() if entropy is not None
                                    else torch.tensor(float("nan"))),
-                   "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float()}
+                   "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float(),
+                   "seq_count": torch.tensor(float(len(mb.seq_indices)))}
         reduced.update({k: v.float() for k, v in stats.items()})
     # the schedule backpropagates loss_sum; finalize_model_grads divides grads by the summed count
     return loss_sum, n.to(torch.int), reduced
@@ -174,6 +212,10 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext) -> dict[str, float]:
     }
     if ctx.trainer.log_entropy:  # not measured otherwise: absent rather than NaN in the metrics files
         out["entropy"] = s["entropy_sum"] / n
+    if ctx.algo.kl_mode != "none":  # per-sequence k1 estimate of KL(policy || reference)
+        out["kl"] = s["kl_sum"] / max(s["seq_count"], 1.0)
+    if ctx.algo.proximal == "trainer":  # mean truncated importance weight exp(proximal - behaviour)
+        out["is_weight_mean"] = s["is_weight_sum"] / n
     return out
 
 
@@ -193,45 +235,91 @@ class ForwardBackwardResult:
     n_micro_batches: int
 
 
-def forward_backward(model: list, seqs: Sequence[TrainSequence], ctx: StepContext,
-                     objective: Objective = "rl", forward_only: bool = False) -> ForwardBackwardResult:
-    """Collective: gradients of the minibatch loss in the DDP grad buffers (no optimizer step)."""
+def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepContext,
+                      objective: Objective = "rl") -> PreparedMinibatch:
+    """Normalise the minibatch's advantages, deal its sequences to the DP ranks (balancing tokens)
+    and pack this rank's share into micro-batches (the same on every call with the same input)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not seqs:
         raise ValueError("empty minibatch")
+    seqs = list(seqs)
     advantages = minibatch_advantages(seqs, ctx.algo) if objective == "rl" else [0.0] * len(seqs)
-    dp_size = ps.get_data_parallel_world_size()
-    share = split_balanced([len(s.token_ids) for s in seqs], dp_size)[ps.get_data_parallel_rank()]
+    share = split_balanced([len(s.token_ids) for s in seqs], ps.get_data_parallel_world_size())[
+        ps.get_data_parallel_rank()]
     packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens,
                             advantages=[advantages[i] for i in share],
                             pad_multiple=_pad_multiple(model[0].config), pad_to_common=ctx.layout.pp > 1)
-    mbs = packed.micro_batches
-    if ctx.layout.n_chunks > 1 and len(mbs) % ctx.layout.pp:
-        raise ValueError(f"interleaved pipeline needs the micro-batch count ({len(mbs)}) to be a multiple "
-                         f"of pp={ctx.layout.pp}; lower trainer.micro_batch_tokens or change the minibatch")
+    if ctx.layout.n_chunks > 1 and len(packed.micro_batches) % ctx.layout.pp:
+        raise ValueError(f"interleaved pipeline needs the micro-batch count ({len(packed.micro_batches)}) to be "
+                         f"a multiple of pp={ctx.layout.pp}; lower trainer.micro_batch_tokens or change the minibatch")
+    return PreparedMinibatch(seqs, share, packed)
+
+
+def _schedule(model: list, prepared: PreparedMinibatch, forward_step, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mbs = prepared.packed.micro_batches
+    iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iters, model=model, num_microbatches=len(mbs),
+        seq_length=prepared.packed.seq_length, micro_batch_size=1, forward_only=forward_only)
+
+
+def _store_logprobs(mb: PackedMicroBatch, ctx: StepContext, field: str, output: torch.Tensor):
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group() if ctx.layout.tp > 1 else None
+    with torch.no_grad():
+        logp = token_logprobs(_tempered(output, mb), mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size)
+    setattr(mb, field, torch.where(mb.loss_mask > 0, logp.float(), 0.0))
+    # a dummy loss; a count of 1 keeps the schedule's normalisation finite
+    return torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.int), {}
+
+
+def _logprob_step(ctx: StepContext, field: str, data_iterator, model_chunk):
+    mb = next(data_iterator)
+    return _forward(model_chunk, mb, ctx.use_thd), partial(_store_logprobs, mb, ctx, field)
+
+
+@torch.no_grad()
+def collect_logprobs(model: list, prepared: PreparedMinibatch, ctx: StepContext, field: str) -> None:
+    """Collective, forward-only: per-token logprobs (tempered like the loss) of `model` on the packed
+    micro-batches, stored as `mb.<field>` ("proximal_logprobs" or "ref_logprobs") on the last stage."""
+    if field not in ("proximal_logprobs", "ref_logprobs"):
+        raise ValueError(f"unknown logprob field {field!r}")
+    _schedule(model, prepared, partial(_logprob_step, ctx, field), forward_only=True)
+
+
+def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMinibatch, ctx: StepContext,
+                     objective: Objective = "rl", forward_only: bool = False) -> ForwardBackwardResult:
+    """Collective: gradients of the minibatch loss in the DDP grad buffers (no optimizer step).
+    `seqs` may be a minibatch already prepared (and given trainer-side logprobs) by `prepare_minibatch`."""
+    from megatron.core import parallel_state as ps
+
+    prepared = seqs if isinstance(seqs, PreparedMinibatch) else prepare_minibatch(model, seqs, ctx, objective)
+    seqs, packed = prepared.seqs, prepared.packed
+    if objective == "rl" and ctx.algo.kl_mode == "k2":
+        n_tok = sum(s.completion_len for s in seqs)
+        ctx = dataclasses.replace(ctx, kl_weight=ctx.algo.kl_coef * n_tok / len(seqs))
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
-    iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
-    stores = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, ctx, objective), data_iterator=iters, model=model,
-        num_microbatches=len(mbs), seq_length=packed.seq_length, micro_batch_size=1,
-        forward_only=forward_only)
+    stores = _schedule(model, prepared, partial(_forward_step, ctx, objective), forward_only)
     metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx)
     real, packed_tok = _all_reduce_int([packed.stats.real_tokens, packed.stats.packed_tokens])
     # naive baseline: every sequence of the minibatch padded to its longest one
     naive = len(seqs) * max(len(s.token_ids) for s in seqs)
+    n_mbs = len(packed.micro_batches)
     metrics.update({
         "tokens": float(real), "padding_fraction": 1.0 - real / packed_tok,
-        "naive_padding_fraction": 1.0 - real / naive, "n_micro_batches": float(len(mbs)),
+        "naive_padding_fraction": 1.0 - real / naive, "n_micro_batches": float(n_mbs),
         "n_sequences": float(len(seqs)),
     })
-    return ForwardBackwardResult(metrics, packed.stats, len(mbs))
+    return ForwardBackwardResult(metrics, packed.stats, n_mbs)
 
 
-def run_minibatch(model: list, optimizer, seqs: Sequence[TrainSequence], ctx: StepContext,
+def run_minibatch(model: list, optimizer, seqs: Sequence[TrainSequence] | PreparedMinibatch, ctx: StepContext,
                   objective: Objective = "rl", forward_only: bool = False) -> dict[str, float]:
     """Collective over all trainer ranks: one optimizer step on one minibatch; returns metrics.
 

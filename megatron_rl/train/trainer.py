@@ -8,6 +8,8 @@
 Every trainer rank must call these collectively with the same arguments (the same whole Batch: the
 step splits it over DP ranks itself). `version` counts updates (`train_on` calls): it is the policy
 version the generators receive with the weights; `step` counts optimizer steps.
+With `algo.kl_mode` set, the trainer also holds the frozen reference policy (`train.reference`); an RL
+update runs the logprob passes it needs before its optimizer steps (`train.update`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from megatron_rl.records import Batch, TrainSequence
 from megatron_rl.train import checkpoint as ckpt
 from megatron_rl.train.optimizer import build_optimizer, precision_dtype, set_lr, wrap_model
 from megatron_rl.train.parallel import ParallelLayout, init_parallel
+from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.step import StepContext, run_minibatch
+from megatron_rl.train.update import prepare_update, split_minibatches
 
 log = logging.getLogger(__name__)
 _STATE_KEY = "_trainer"  # reserved key in the checkpoint's extra state
@@ -57,6 +61,8 @@ class Trainer:
 
             load_hf_weights(chunks, source.tensors())
         self.dims = chunks[0].mrl_dims
+        self.reference = (ReferencePolicy(chunks, hf_config, self.layout, precision_dtype(t))
+                          if config.algo.kl_mode != "none" else None)
         self.model = wrap_model(chunks, t)
         self.optimizer = build_optimizer(self.model, t)
         self.keep_checkpoints = keep_checkpoints
@@ -72,19 +78,20 @@ class Trainer:
         return [_unwrap(m) for m in self.model]
 
     # ------------------------------------------------------------ training
-    def _minibatches(self, seqs: Sequence[TrainSequence], n_mini: int) -> list[list[TrainSequence]]:
-        size = len(seqs) // n_mini
-        return [list(seqs[i * size:(i + 1) * size]) for i in range(n_mini)]
-
     def _run(self, seqs: Sequence[TrainSequence], n_mini: int, objective: str) -> dict[str, Any]:
         steps = []
-        for mb in self._minibatches(seqs, n_mini):
+        minibatches = split_minibatches(seqs, n_mini)
+        if objective == "rl":  # trainer-side logprobs of the update start, KL in the reward
+            minibatches = prepare_update(self.model, self.reference, minibatches, self.ctx)
+        for mb in minibatches:
             set_lr(self.optimizer, self.config.trainer.lr)
             m = run_minibatch(self.model, self.optimizer, mb, self.ctx, objective=objective)
             self.step += 1
             m["step"] = float(self.step)
             steps.append(m)
         self.version += 1
+        if self.reference is not None:
+            self.reference.maybe_refresh(self.model_chunks, self.version, self.config.algo.kl_ref_refresh_every)
         keys = [k for k in steps[0] if k != "step"]
         summary: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps) for k in keys}
         summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
@@ -107,22 +114,42 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, seqs: Sequence[TrainSequence], objective: str = "rl") -> dict[str, float]:
         """Loss/metrics of `seqs` under the current weights (no update)."""
+        if objective == "rl":
+            (seqs,) = prepare_update(self.model, self.reference, [list(seqs)], self.ctx)
         return run_minibatch(self.model, self.optimizer, seqs, self.ctx, objective=objective, forward_only=True)
 
     # ------------------------------------------------------------ checkpoints
     def save(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Collective: atomic checkpoint `root/step_<version>`; `extra` must be JSON-serialisable."""
-        state = {_STATE_KEY: {"version": self.version, "step": self.step}, "user": extra or {}}
+        own = {"version": self.version, "step": self.step}
+        if self._saved_reference() is not None:
+            own["reference_version"] = self.reference.version
+        state = {_STATE_KEY: own, "user": extra or {}}
         return ckpt.save_checkpoint(root, self.model, self.optimizer, self.layout, self.version, state,
                                     keep_last=self.keep_checkpoints,
-                                    optimizer_format=self.config.trainer.checkpoint_optimizer)
+                                    optimizer_format=self.config.trainer.checkpoint_optimizer,
+                                    reference=self._saved_reference())
+
+    def _saved_reference(self) -> list | None:
+        """The reference chunks when they can differ from the initial weights (refreshing), else None:
+        a fixed reference is the model the run starts from, rebuilt on resume."""
+        if self.reference is None or self.config.algo.kl_ref_refresh_every == 0:
+            return None
+        return self.reference.chunks
 
     def load(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
         """Collective: resume from a checkpoint (a root -> its latest), resharded into this layout.
         Returns the `extra` saved; `last_load` (checkpoint.LoadResult) says what was restored."""
-        result = ckpt.load_checkpoint(path, self.model, self.optimizer, self.layout, load_optimizer)
+        result = ckpt.load_checkpoint(path, self.model, self.optimizer, self.layout, load_optimizer,
+                                      reference=self._saved_reference())
         own = result.extra.get(_STATE_KEY, {})
         self.version = int(own.get("version", result.step))
         self.step = int(own.get("step", 0))
+        if self._saved_reference() is not None:
+            if not result.reference_loaded:
+                raise ckpt.CheckpointError(
+                    f"{result.path} holds no KL reference policy, but algo.kl_ref_refresh_every="
+                    f"{self.config.algo.kl_ref_refresh_every} needs the one it had refreshed to")
+            self.reference.version = int(own.get("reference_version", 0))
         self.last_load = result
         return dict(result.extra.get("user", {}))

@@ -114,7 +114,7 @@ def test_compute_group_advantages_follows_the_config():
     out = compute_group_advantages(r, AlgoConfig())
     assert out.n_dropped == 2 and out.keep.tolist() == [False, True, False, True]
     torch.testing.assert_close(out.advantages, group_advantages(r[[1, 3]]))
-    out = compute_group_advantages(r, AlgoConfig(drop_non_diverse_groups=False, group_std=True))
+    out = compute_group_advantages(r, AlgoConfig(drop_non_diverse_groups=False, adv_norm="group"))
     torch.testing.assert_close(out.advantages, group_advantages(r, std=True))
     out = compute_group_advantages(r, AlgoConfig(pass_at_k=2))
     torch.testing.assert_close(out.advantages, pass_at_k_advantages(r[[1, 3]], 2))

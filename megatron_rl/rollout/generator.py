@@ -31,7 +31,7 @@ from typing import Any, Iterator, Literal
 from megatron_rl.config import GeneratorConfig, RolloutConfig
 from megatron_rl.records import Rollout
 from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
-from megatron_rl.rollout.outputs import parse_version, to_rollout
+from megatron_rl.rollout.outputs import parse_version, scoring_temperature, to_rollout
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
 from megatron_rl.rollout.server import SGLangServer
 
@@ -172,7 +172,7 @@ class Generator:
                 return
             r = to_rollout(out, problem_id=s.problem_id, sample_index=s.sample_index,
                            prompt_ids=s.prompt_ids, generator_id=self.generator_id,
-                           temperature=s.sampling.get("temperature", 1.0))
+                           temperature=scoring_temperature(s.sampling))
             with self._lock:
                 self._pending.pop(s.rid, None)
                 idle = not self._pending

@@ -68,3 +68,10 @@ def to_rollout(out: dict, *, problem_id: str, sample_index: int, prompt_ids: lis
                    completion_ids=list(ids), behaviour_logprobs=[float(x[0]) for x in lps],
                    weight_versions=versions, finish_reason=finish_reason(meta),
                    text=out.get("text", ""), generator_id=generator_id, temperature=float(temperature))
+
+
+def scoring_temperature(sampling: dict) -> float:
+    """The T of log_softmax(logits / T) that SGLang's reported logprobs are of, for these sampling
+    params: the sampling temperature, except greedy (T = 0), whose logprobs are of the raw logits."""
+    t = float(sampling.get("temperature", 1.0))
+    return t if t > 0 else 1.0

@@ -105,6 +105,29 @@ def test_sampled_group_is_streamed_as_rollouts(gen):
         assert all(lp <= 0 for lp in r.behaviour_logprobs)
 
 
+def test_trainer_scores_samples_at_their_temperature(gen, hf, tiny_llama_dir):
+    """Samples at T=0.7 from the real server, before any update: the Megatron trainer's logprobs (logits
+    divided by the temperature the rollout carries) equal SGLang's behaviour logprobs, ratio 1 within
+    float tolerance; at T=1 (the bug this guards against) they would not."""
+    import dataclasses
+
+    from megatron_rl.records import TrainSequence
+    from support.policies import make_trainer
+
+    gen.submit("t", PROMPTS[1], group_size=4, sampling={"temperature": 0.7, "max_new_tokens": 16,
+                                                        "ignore_eos": True})
+    rollouts = list(gen.completions(timeout=120))
+    assert len(rollouts) == 4 and all(r.temperature == 0.7 for r in rollouts)
+    seqs = [TrainSequence(r.prompt_ids + r.completion_ids, len(r.prompt_ids), r.behaviour_logprobs,
+                          advantage=float(i % 2) - 0.5, temperature=r.temperature) for i, r in enumerate(rollouts)]
+    trainer = make_trainer(tiny_llama_dir, micro_batch_tokens=256)
+    m = trainer.evaluate(seqs)
+    assert m["ratio_min"] == pytest.approx(1.0, abs=3e-3) and m["ratio_max"] == pytest.approx(1.0, abs=3e-3)
+    assert m["clip_frac_low"] == m["clip_frac_high"] == 0.0
+    untempered = trainer.evaluate([dataclasses.replace(s, temperature=1.0) for s in seqs])
+    assert max(abs(untempered["ratio_max"] - 1.0), abs(untempered["ratio_min"] - 1.0)) > 0.05
+
+
 def test_sync_two_senders_matches_hf_with_new_weights(gen, hf):
     new = perturbed(hf, seed=1)
     tensors = named(new)

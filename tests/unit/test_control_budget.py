@@ -89,6 +89,22 @@ def test_stale_groups_are_dropped_and_requeued_once():
     assert [s.advantage for s in batch.sequences] == pytest.approx([-0.75, 0.25, 0.25, 0.25])
 
 
+def test_adv_norm_group_divides_by_the_group_std_and_the_batch_carries_group_and_temperature():
+    import statistics
+
+    b = RolloutBudget(RolloutConfig(group_size=4, n_async=12, n_batch=4, n_mini=1), AlgoConfig(adv_norm="group"))
+    gid = b.start_group(_problem(1))[0].group_id
+    rewards = [0.0, 1.0, 1.0, 0.1]
+    for i, r in enumerate(rewards):
+        ro = _rollout(gid, i, r)
+        ro.temperature = 0.7
+        b.add_graded(ro)
+    mean, std = statistics.mean(rewards), statistics.stdev(rewards)  # unbiased group std
+    batch = b.take_batch(trainer_version=0)
+    assert [s.advantage for s in batch.sequences] == pytest.approx([(r - mean) / std for r in rewards], rel=1e-5)
+    assert {s.group_id for s in batch.sequences} == {gid} and {s.temperature for s in batch.sequences} == {0.7}
+
+
 def test_reweight_policy_keeps_stale_groups():
     b = _budget(n_batch=4, n_mini=1, max_staleness=0, stale_policy="reweight")
     _complete(b, _problem(1), [0, 1, 0, 1], version=0)

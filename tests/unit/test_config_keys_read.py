@@ -26,10 +26,7 @@ NOT_READERS = {"megatron_rl/config.py", "megatron_rl/tools/config_docs.py"}
 # Keys known to be unread while their owners wire them up (issue 13). Each entry must still be a key
 # that nothing reads (test_pending_allowlist_names_only_unread_keys fails otherwise): remove it in the
 # commit that makes the run read (or deletes) its key, and keep this set empty.
-PENDING: set[str] = {
-    "algo.kl_mode",  # the KL to a reference policy (trainer: reference model, k2 loss / KL in the reward)
-    "algo.kl_coef",  # its weight
-}
+PENDING: set[str] = set()
 
 
 def config_keys(root: type) -> list[str]:

@@ -80,6 +80,7 @@ class RewardConfig:
     overlong_penalty: float = 0.1
     language_reward: float = 0.1
     language_check: bool = True
+    language_window_letters: int = 60  # letters per window of the language check (CJK char = 4); longer clauses are judged in sliding windows, so a mid-sentence switch is caught
     math_timeout_s: float = 5.0
     code_compile_timeout_s: float = 10.0
     code_test_timeout_s: float = 4.0

@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_rl.config import RewardConfig
 from megatron_rl.reward.format import FormatResult, check_format
-from megatron_rl.reward.language import check_consistency
+from megatron_rl.reward.language import check_consistency, policy_for
 from megatron_rl.reward.length import estimate_tokens, overlong_penalty
 from megatron_rl.reward.types import CodeTask, MathTask, RewardBreakdown, Task, parse_task
 
@@ -117,7 +117,8 @@ def score(task: dict | Task, response: str, config: RewardConfig | None = None,
     details["length_window"] = list(window)
     language_ok = False
     if cfg.language_check:
-        language_ok, details["language"] = check_consistency(parsed.problem, fmt.thoughts, fmt.answer)
+        language_ok, details["language"] = check_consistency(parsed.problem, fmt.thoughts, fmt.answer,
+                                                             policy_for(cfg.language_window_letters))
     else:
         details["language"] = "disabled"
     total = (cfg.format_reward + (cfg.correct_reward if correct else 0.0) + penalty

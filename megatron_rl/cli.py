@@ -28,6 +28,7 @@ COMMANDS: dict[str, Command] = {
     "translate": Command("translate a fraction of a problem set through an OpenAI-compatible endpoint",
                          module="translate"),
     "estimate": Command("per-GPU memory per role and throughput estimate of a config", module="estimate"),
+    "plan": Command("rank map of a run on N nodes: roles, GPUs, per-GPU memory, srun task count", module="plan"),
     "plot": Command("plot the metrics of a run directory to PNG", module="plot"),
     "simulate": Command("discrete-event simulation of the async pipeline at scale", module="simulate"),
     "config": Command("print the resolved config (defaults, YAML file and overrides)", module="config_cmd"),

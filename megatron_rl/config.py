@@ -240,6 +240,7 @@ class GeneratorConfig:
     """SGLang generator workers and weight sync (megatron_rl.rollout, megatron_rl.sync)."""
 
     num_generators: int = 1
+    tp_size: int = 1  # GPUs per SGLang server (its --tp-size), all on one node; `megatron-rl plan` places them
     port_base: int = 30000
     max_total_tokens: int = 65536  # SGLang KV-cache size; always set (the default is huge on CPU)
     mem_fraction_static: float | None = None

@@ -1,0 +1,186 @@
+"""Placement (control/placement.py) and `megatron-rl plan`: rank maps over many layouts agree with
+RankLayout, every rejection cause is named, and the shipped launch scripts take their task count
+from plan."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main as cli
+from megatron_rl.config import load_config
+from megatron_rl.control.layout import RankLayout
+from megatron_rl.control.placement import PlacementError, check_run, default_hosts, notes, place
+from megatron_rl.tools.estimate import Cluster, Shapes, estimate
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+SHAPES = Shapes(vocab=32000, hidden=1024, layers=16, heads=16, kv_heads=8, head_dim=64, ffn=4096, tied=False)
+
+
+def _cfg(tp=1, pp=1, dp=1, gens=1, gtp=1, verifiers=0, **extra):
+    over = [f"trainer.tensor_parallel={tp}", f"trainer.pipeline_parallel={pp}", f"trainer.data_parallel={dp}",
+            f"generator.num_generators={gens}", f"generator.tp_size={gtp}", f"reward.verifier_ranks={verifiers}",
+            "trainer.micro_batch_tokens=8192", "rollout.max_new_tokens=4096", "reward.l_max=null"]
+    return load_config(None, over + [f"{k.replace('__', '.')}={v}" for k, v in extra.items()])
+
+
+def _causes(cfg, gpu_gb=80.0, prompt=1024):
+    cluster = Cluster(gpu_memory_gb=gpu_gb, generator_tp=cfg.generator.tp_size, prompt_tokens=prompt)
+    try:
+        memory = estimate(cfg, cluster, SHAPES)
+    except ValueError:  # layers not divisible by PP: check_run names it (as the plan command does)
+        memory = None
+    return check_run(cfg, SHAPES, memory, gpu_memory_gb=gpu_gb, max_prompt_tokens=prompt)
+
+
+LAYOUTS = [  # tp, pp, dp, generators, generator tp, verifiers, nodes, gpus per node
+    (1, 1, 1, 1, 1, 0, 1, 8), (1, 1, 1, 1, 1, 2, 1, 2), (2, 1, 2, 4, 1, 0, 1, 8), (8, 1, 4, 16, 2, 4, 8, 8),
+    (8, 8, 4, 16, 8, 16, 48, 8), (2, 2, 1, 3, 2, 1, 3, 4), (1, 1, 3, 2, 4, 0, 3, 4), (4, 1, 1, 5, 2, 0, 2, 8),
+    (1, 1, 1, 1, 4, 0, 2, 4), (1, 1, 6, 2, 1, 0, 1, 8),
+]
+
+
+@pytest.mark.parametrize("tp,pp,dp,gens,gtp,ver,nodes,gpn", LAYOUTS)
+def test_rank_map_follows_rank_layout_and_the_rules(tp, pp, dp, gens, gtp, ver, nodes, gpn):
+    cfg = _cfg(tp, pp, dp, gens, gtp, ver)
+    p = place(cfg, default_hosts(nodes), gpn)
+    layout = RankLayout.from_config(cfg)
+    assert p.world_size == layout.world_size
+    assert [r.role for r in p.ranks] == [layout.role(i) for i in range(layout.world_size)]
+    assert [r.rank for r in p.of_role("trainer")] == layout.trainer_ranks
+    for r in p.ranks:
+        assert r.host == f"node{r.node}"
+        assert len(r.gpus) == {"controller": 0, "verifier": 0, "trainer": 1, "generator": gtp}[r.role]
+        assert all(0 <= g < gpn for g in r.gpus)
+        if r.role in ("controller", "verifier"):
+            assert r.node == 0
+    taken = [(r.node, g) for r in p.ranks for g in r.gpus]
+    assert len(taken) == len(set(taken)), "a GPU is given to two ranks"
+    for node in range(nodes):  # local ranks count the node's ranks in rank order, from 0
+        assert [r.local_rank for r in p.ranks if r.node == node] == list(range(sum(r.node == node for r in p.ranks)))
+    # trainers first, from node 0 GPU 0; generators after every trainer GPU
+    assert [(r.node, r.gpus[0]) for r in p.of_role("trainer")] == [divmod(i, gpn) for i in range(tp * pp * dp)]
+    last_trainer = max([(r.node, r.gpus[0]) for r in p.of_role("trainer")])
+    assert all((r.node, r.gpus[0]) > last_trainer for r in p.of_role("generator"))
+    assert p.hostfile().splitlines() == [r.host for r in p.ranks]
+
+
+def test_generator_never_spans_nodes_and_skips_to_the_next():
+    p = place(_cfg(dp=3, gens=2, gtp=2), default_hosts(3), 4)  # 3 trainer GPUs leave 1 on node 0
+    assert [(r.node, r.gpus) for r in p.of_role("generator")] == [(1, (0, 1)), (1, (2, 3))]
+    assert notes(p) == ["the ranks use 2 of the 3 nodes given", "5 GPU(s) stay idle"]
+
+
+def test_real_hosts_are_the_addresses():
+    p = place(_cfg(dp=2, gens=2), ["gpu-a01", "gpu-a02"], 2)
+    assert [(r.role, r.host, r.gpus) for r in p.ranks] == [
+        ("controller", "gpu-a01", ()), ("trainer", "gpu-a01", (0,)), ("trainer", "gpu-a01", (1,)),
+        ("generator", "gpu-a02", (0,)), ("generator", "gpu-a02", (1,))]
+
+
+@pytest.mark.parametrize("cfg,hosts,gpn,match", [
+    (_cfg(dp=8, gens=1), default_hosts(1), 8, r"need 2 nodes of 8 GPUs, but 1 were given"),
+    (_cfg(dp=3, gens=3, gtp=2), default_hosts(2), 4, r"need 3 nodes of 4 GPUs"),  # 1 GPU of node 0 unusable
+    (_cfg(gens=1, gtp=8), default_hosts(4), 4, r"generator.tp_size=8 is more than the 4 GPUs of a node"),
+    (_cfg(gtp=0), default_hosts(1), 8, r"generator.tp_size must be >= 1"),
+    (_cfg(), [], 8, r"no nodes"),
+    (_cfg(), ["a", "a"], 8, r"hosts repeat"),
+    (_cfg(), default_hosts(1), 0, r"gpus per node must be >= 1"),
+])
+def test_placement_rejections_name_the_cause(cfg, hosts, gpn, match):
+    with pytest.raises(PlacementError, match=match):
+        place(cfg, hosts, gpn)
+
+
+def test_a_valid_run_has_no_causes():
+    assert _causes(_cfg(tp=2, pp=2, dp=2, gens=2, gtp=2)) == []
+
+
+@pytest.mark.parametrize("cfg,kw,match", [
+    (_cfg(tp=3), {}, r"trainer.tensor_parallel=3 does not divide the model's 16 attention heads"),
+    (_cfg(tp=16), {}, r"trainer.tensor_parallel=16 does not divide the model's 8 KV heads"),
+    (_cfg(pp=3), {}, r"trainer.pipeline_parallel=3 x virtual_pipeline=1 does not divide the model's 16 layers"),
+    (_cfg(pp=2, trainer__virtual_pipeline=3), {}, r"virtual_pipeline=3 does not divide"),
+    (_cfg(gtp=3), {}, r"generator.tp_size=3 does not divide the model's 16 attention heads"),
+    (_cfg(trainer__micro_batch_tokens=4096), {}, r"micro_batch_tokens=4096 is smaller than the longest sequence "
+                                                r"the run can produce: 1024 prompt .* 4096 generated .* = 5120"),
+    (_cfg(), {"prompt": 4097}, r"4097 prompt tokens \(--max-prompt-tokens\)"),
+    (_cfg(rollout__length_schedule='["0:2048", "10:8000"]'), {}, r"8000 generated"),
+    (_cfg(), {"gpu_gb": 5}, r"a trainer GPU needs .* GB, more than the 5 GB"),
+    (_cfg(generator__max_total_tokens=4_000_000), {}, r"a generator GPU needs .* more than the 80 GB"),
+])
+def test_run_rejections_name_the_cause(cfg, kw, match):
+    causes = _causes(cfg, **kw)
+    assert any(re.search(match, c) for c in causes), causes
+
+
+def test_generator_tp_may_replicate_kv_heads_but_not_split_them_unevenly():
+    assert _causes(_cfg(gtp=16)) == []  # 16 query heads, 8 KV heads replicated twice
+    shapes = Shapes(32000, 1024, 16, 12, 6, 64, 4096, False)
+    cfg = _cfg(gtp=4)
+    causes = check_run(cfg, shapes, None, gpu_memory_gb=80, max_prompt_tokens=16)
+    assert causes == ["generator.tp_size=4 neither divides nor is a multiple of the model's 6 KV heads"]
+
+
+# ---- the command and the shipped examples --------------------------------------------------------
+
+def _sbatch_nodes(script: Path) -> tuple[int, int]:
+    text = script.read_text()
+    return (int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1)),
+            int(re.search(r"#SBATCH --gpus-per-node=(\d+)", text).group(1)))
+
+
+def test_plan_accepts_the_cpu_demo_on_one_node(capsys):
+    rc = cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "1", "--gpus-per-node", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "controller x1" in out and "trainer x1" in out and "generator x1" in out and "tasks: 3" in out
+    assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "1", "--print-tasks"]) == 0
+    assert capsys.readouterr().out == "3\n"
+    # mpiexec_cpu_demo.sh takes NP from plan too
+    assert "plan examples/cpu_demo.yaml" in (EXAMPLES / "mpiexec_cpu_demo.sh").read_text()
+
+
+@pytest.mark.parametrize("name,ranks", [("magistral_small", 53), ("magistral_medium", 289)])
+def test_sbatch_scripts_take_their_task_count_from_plan(name, ranks, capsys):
+    script = EXAMPLES / f"srun_{name}.sbatch"
+    text = script.read_text()
+    nodes, gpn = _sbatch_nodes(script)
+    assert f"CONFIG=examples/{name}.yaml" in text
+    assert "#SBATCH --ntasks-per-node" not in text and not re.search(r"#SBATCH --ntasks=", text)
+    assert re.search(r'PLAN=\(megatron-rl plan "\$CONFIG"', text) and f"--gpus-per-node {gpn}" in text
+    assert 'NTASKS=$("${PLAN[@]}" --print-tasks)' in text and 'srun --ntasks="$NTASKS" --distribution=arbitrary' in text
+    assert '--print-hostfile > "$SLURM_HOSTFILE"' in text
+    # The layout itself fits the script's allocation, and its rank count is the config's.
+    cfg = load_config(EXAMPLES / f"{name}.yaml")
+    p = place(cfg, default_hosts(nodes), gpn)
+    assert p.world_size == RankLayout.from_config(cfg).world_size == ranks
+    assert p.nodes_used == nodes and notes(p) == []
+    # The shipped recipes grow generation to 32k / 40k tokens with 8192-token packing bins: plan
+    # refuses them (the trainer would stop at the first long rollout) and so does the script.
+    rc = cli(["plan", str(EXAMPLES / f"{name}.yaml"), "--nodes", str(nodes), "--gpus-per-node", str(gpn),
+              "--print-tasks"])
+    captured = capsys.readouterr()
+    assert rc == 3 and captured.out == "" and "trainer.micro_batch_tokens=8192 is smaller" in captured.err
+    # With generation capped inside the bin, plan passes and prints the count the script hands srun.
+    short = [f"rollout.max_new_tokens=6144", "rollout.length_schedule=[]", "reward.l_max=null",
+             "reward.l_cache=2048"]
+    rc = cli(["plan", str(EXAMPLES / f"{name}.yaml"), *short, "--nodes", str(nodes), "--gpus-per-node", str(gpn),
+              "--print-tasks"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert captured.out == f"{ranks}\n"
+
+
+def test_plan_bad_input_is_one_line_naming_the_cause(tmp_path, capsys):
+    assert cli(["plan", str(tmp_path / "missing.yaml"), "--nodes", "1"]) == 1
+    assert "missing.yaml" in capsys.readouterr().err
+    assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "2", "--hosts", "a"]) == 1
+    assert "--hosts names 1 nodes but --nodes is 2" in capsys.readouterr().err
+    assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "trainer.nope=1", "--nodes", "1"]) == 1
+    assert "trainer.nope" in capsys.readouterr().err
+    # too few nodes: exit 3, the cause on stderr
+    assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "1", "--gpus-per-node", "1"]) == 3
+    assert "need 2 nodes of 1 GPUs, but 1 were given" in capsys.readouterr().err

@@ -284,7 +284,8 @@ class Controller:
             return
         if self.phase == "pausing":  # all paused with an open update session: trainers push
             self.phase = "pushing"
-            targets = [(self.gen_status[r].url, 1, self.gen_status[r].incarnation) for r in self._alive_generators()]
+            tp = self.cfg.generator.tp_size  # the update group of each server: 1 sender + its tp_size ranks
+            targets = [(self.gen_status[r].url, tp, self.gen_status[r].incarnation) for r in self._alive_generators()]
             self._push_started = time.time()
             self._broadcast(self.layout.trainer_ranks, PushRequest(self.version, targets), Tag.PUSH)
             return

@@ -27,7 +27,7 @@ def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path,
     g = cfg.generator
     spec = ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
-                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args))
+                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), tp_size=g.tp_size)
     gen = Generator(SGLangServer(spec), cfg.rollout, g, generator_id=index)
     rank = comm.Get_rank()
     try:

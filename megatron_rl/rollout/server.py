@@ -41,6 +41,7 @@ class ServerSpec:
     # (computed by the old weights) is then tagged with the new version. Off by default so that
     # per-token versions are exact; turn on for throughput when off-by-one tags are acceptable.
     overlap_schedule: bool = False
+    tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
@@ -54,6 +55,8 @@ class ServerSpec:
             cmd += ["--disable-overlap-schedule"]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.tp_size > 1:
+            cmd += ["--tp-size", str(self.tp_size)]
         return cmd + list(self.extra_args)
 
 

@@ -1,0 +1,132 @@
+"""Where each rank runs: its node's address and its local rank, from the environment Slurm/MPI give it.
+
+Every rank probes its own environment (`probe_node`): the address is resolved on the rank's own node
+because only that node's resolver (/etc/hosts, DNS) is sure to know its name. The probes are then
+allgathered over MPI and `assign_nodes` turns them into one address and local rank per rank; it is
+pure, so every rank computes the same answer from the same list and no broadcast is needed.
+
+- address: `MEGATRON_RL_NODE_ADDR` when set (tests with loopback aliases, clusters whose hostname
+  resolves to the wrong interface), else the IP the hostname resolves to. When every rank reports
+  the same hostname (one machine) and nobody overrides, everyone uses 127.0.0.1: the single-host
+  default, which needs no resolvable hostname.
+- local rank: `MEGATRON_RL_LOCAL_RANK`, else `SLURM_LOCALID`, `MPI_LOCALRANKID` (MPICH/Hydra),
+  `OMPI_COMM_WORLD_LOCAL_RANK` (Open MPI), else the rank's position among the ranks of its node in
+  rank order (placement.py's definition, what srun would give).
+
+Who uses what: the trainers rendezvous on the first trainer's address (MASTER_ADDR) and select their
+CUDA device by local rank; each SGLang server listens on its node's address; a weight-update group
+rendezvouses on its sender's (a trainer's) address.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+ADDR_VAR = "MEGATRON_RL_NODE_ADDR"
+LOCAL_RANK_VAR = "MEGATRON_RL_LOCAL_RANK"
+# in priority order: the explicit override first, then what the launchers set
+LOCAL_RANK_VARS = (LOCAL_RANK_VAR, "SLURM_LOCALID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+LOOPBACK = "127.0.0.1"
+
+
+class NodeEnvError(ValueError):
+    """The environment names a bad address or local rank (the message names the variable)."""
+
+
+@dataclass(frozen=True)
+class NodeProbe:
+    """What one rank found in its environment; errors are carried, not raised, so that a bad
+    variable on one rank cannot leave the others waiting in the allgather."""
+
+    hostname: str
+    addr: str | None  # the override, or the hostname's resolution; None when it did not resolve
+    overridden: bool
+    local_rank: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    addr: str
+    local_rank: int
+
+
+def local_rank_from_env(env: Mapping[str, str]) -> int | None:
+    for var in LOCAL_RANK_VARS:
+        value = env.get(var)
+        if value is None or value == "":
+            continue
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise NodeEnvError(f"{var}={value!r}: the local rank must be an integer >= 0")
+        return n
+    return None
+
+
+def addr_override(env: Mapping[str, str]) -> str | None:
+    value = env.get(ADDR_VAR, "").strip()
+    if not value:
+        return None
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        raise NodeEnvError(f"{ADDR_VAR}={value!r}: not an IP address") from None
+    if ip.is_unspecified:  # a wildcard is not an address others can reach
+        raise NodeEnvError(f"{ADDR_VAR}={value!r}: needs this node's own address, not a wildcard")
+    return str(ip)
+
+
+def probe_node(env: Mapping[str, str] | None = None, hostname: str | None = None,
+               resolve: Callable[[str], str] = socket.gethostbyname) -> NodeProbe:
+    env = os.environ if env is None else env
+    hostname = hostname or socket.gethostname()
+    try:
+        local_rank = local_rank_from_env(env)
+        addr = addr_override(env)
+    except NodeEnvError as e:
+        return NodeProbe(hostname, None, False, None, str(e))
+    if addr is not None:
+        return NodeProbe(hostname, addr, True, local_rank)
+    try:
+        resolved = resolve(hostname)
+    except OSError:
+        resolved = None  # only an error if the job spans hosts (decided in assign_nodes)
+    return NodeProbe(hostname, resolved, False, local_rank)
+
+
+def assign_nodes(probes: Sequence[NodeProbe]) -> list[NodeInfo]:
+    """One NodeInfo per rank from every rank's probe; NodeEnvError naming the variable or host."""
+    for rank, p in enumerate(probes):
+        if p.error:
+            raise NodeEnvError(f"rank {rank} on {p.hostname}: {p.error}")
+    single_host = len({p.hostname for p in probes}) == 1 and not any(p.overridden for p in probes)
+    addrs = []
+    for rank, p in enumerate(probes):
+        if single_host:
+            addrs.append(LOOPBACK)
+            continue
+        if p.addr is None:
+            raise NodeEnvError(f"rank {rank}: hostname {p.hostname!r} does not resolve; set {ADDR_VAR}")
+        if not p.overridden and ipaddress.ip_address(p.addr).is_loopback:
+            # /etc/hosts often maps the hostname to 127.0.1.1: other nodes could not reach it
+            raise NodeEnvError(f"rank {rank}: hostname {p.hostname!r} resolves to loopback {p.addr} but the "
+                               f"job spans several hosts; set {ADDR_VAR} to this node's address")
+        addrs.append(p.addr)
+    seen: dict[str, int] = {}
+    nodes = []
+    for p, addr in zip(probes, addrs):
+        position = seen.get(addr, 0)
+        seen[addr] = position + 1
+        nodes.append(NodeInfo(addr, position if p.local_rank is None else p.local_rank))
+    return nodes
+
+
+def gather_nodes(comm) -> list[NodeInfo]:
+    """Collective over `comm`: every rank's NodeInfo, indexed by rank."""
+    return assign_nodes(comm.allgather(probe_node()))

@@ -1,0 +1,75 @@
+"""control/node.py: a rank's node address and local rank from the Slurm/MPI environment."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from megatron_rl.control.node import (ADDR_VAR, LOCAL_RANK_VAR, NodeEnvError, NodeInfo, NodeProbe, assign_nodes,
+                                      local_rank_from_env, probe_node)
+
+
+def _resolve(table):
+    def resolve(host):
+        if host not in table:
+            raise socket.gaierror(f"unknown host {host}")
+        return table[host]
+    return resolve
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None),
+    ({"SLURM_LOCALID": "3"}, 3),
+    ({"MPI_LOCALRANKID": "2"}, 2),
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, 1),
+    ({LOCAL_RANK_VAR: "5", "SLURM_LOCALID": "3", "MPI_LOCALRANKID": "7"}, 5),  # override first
+    ({"SLURM_LOCALID": "3", "MPI_LOCALRANKID": "7"}, 3),  # srun's over mpiexec's
+    ({LOCAL_RANK_VAR: "", "SLURM_LOCALID": "0"}, 0),  # empty means unset
+])
+def test_local_rank_priority(env, expected):
+    assert local_rank_from_env(env) == expected
+
+
+@pytest.mark.parametrize("env,var", [({"SLURM_LOCALID": "x"}, "SLURM_LOCALID"),
+                                     ({LOCAL_RANK_VAR: "-1"}, LOCAL_RANK_VAR),
+                                     ({ADDR_VAR: "node7"}, ADDR_VAR),
+                                     ({ADDR_VAR: "0.0.0.0"}, ADDR_VAR)])
+def test_bad_variable_is_one_line_naming_it(env, var):
+    probe = probe_node(env, hostname="n0", resolve=_resolve({"n0": "10.0.0.1"}))
+    with pytest.raises(NodeEnvError) as e:
+        assign_nodes([probe, probe_node({}, hostname="n0", resolve=_resolve({"n0": "10.0.0.1"}))])
+    assert var in str(e.value) and "\n" not in str(e.value) and "rank 0" in str(e.value)
+
+
+def test_one_host_uses_loopback_even_when_hostname_does_not_resolve():
+    probes = [probe_node({"MPI_LOCALRANKID": str(i)}, hostname="vm", resolve=_resolve({})) for i in range(3)]
+    assert assign_nodes(probes) == [NodeInfo("127.0.0.1", i) for i in range(3)]
+
+
+def test_several_hosts_use_resolved_addresses_and_local_rank_defaults_to_position_on_node():
+    resolve = _resolve({"a": "10.0.0.1", "b": "10.0.0.2"})
+    probes = [probe_node({}, hostname=h, resolve=resolve) for h in ("a", "a", "b", "a", "b")]
+    assert assign_nodes(probes) == [NodeInfo("10.0.0.1", 0), NodeInfo("10.0.0.1", 1), NodeInfo("10.0.0.2", 0),
+                                    NodeInfo("10.0.0.1", 2), NodeInfo("10.0.0.2", 1)]
+
+
+def test_override_wins_and_counts_as_multi_node_on_one_machine():
+    # the loopback-alias simulation: one hostname, two "nodes" given by the override
+    envs = [{ADDR_VAR: "127.0.0.2", "SLURM_LOCALID": "0"}, {ADDR_VAR: "127.0.0.2", "SLURM_LOCALID": "1"},
+            {ADDR_VAR: "127.0.0.3", "SLURM_LOCALID": "0"}]
+    probes = [probe_node(env, hostname="vm", resolve=_resolve({"vm": "127.0.0.1"})) for env in envs]
+    assert assign_nodes(probes) == [NodeInfo("127.0.0.2", 0), NodeInfo("127.0.0.2", 1), NodeInfo("127.0.0.3", 0)]
+
+
+def test_multi_host_refuses_a_hostname_resolving_to_loopback_or_nothing():
+    resolve = _resolve({"a": "127.0.1.1", "b": "10.0.0.2"})
+    with pytest.raises(NodeEnvError, match=f"rank 0: hostname 'a' resolves to loopback 127.0.1.1.*{ADDR_VAR}"):
+        assign_nodes([probe_node({}, hostname=h, resolve=resolve) for h in ("a", "b")])
+    with pytest.raises(NodeEnvError, match=f"rank 1: hostname 'c' does not resolve; set {ADDR_VAR}"):
+        assign_nodes([probe_node({}, hostname=h, resolve=resolve) for h in ("b", "c")])
+
+
+def test_probe_carries_errors_instead_of_raising():
+    # a rank that raised before the allgather would leave the others waiting in it forever
+    p = probe_node({"SLURM_LOCALID": "two"}, hostname="a", resolve=_resolve({"a": "10.0.0.1"}))
+    assert isinstance(p, NodeProbe) and p.error and "SLURM_LOCALID" in p.error

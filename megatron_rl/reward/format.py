@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from megatron_rl.reward.math_extract import BoxScan, unstripped_boxes
 from megatron_rl.reward.types import CodeTask, Task
 
 THINK_OPEN = "<think>"
@@ -28,7 +29,6 @@ LANGUAGE_TAGS = {
 }
 # Opening fence at a line start with an optional tag, body, closing fence on its own line.
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n]*\n(.*?)\n[ \t]*```[ \t]*$", re.M | re.S)
-_BOXED = re.compile(r"\\boxed\s*\{")
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,21 @@ def split_think(response: str) -> tuple[str, str] | str:
     return thoughts, answer
 
 
+def _scan_boxed(text: str) -> BoxScan:
+    # the gate's grammar: "\\boxed", any whitespace, then a brace group (no brace-less or \\fbox forms)
+    return BoxScan(text, commands=("\\boxed",), braceless=False, any_space=True)
+
+
 def boxed_contents(text: str) -> list[str]:
-    """Contents of every ``\\boxed{...}`` with balanced braces, in order (unclosed boxes skipped)."""
-    out = []
-    for m in _BOXED.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            c = text[i]
-            if c == "\\" and i + 1 < len(text):  # escaped brace \{ or \} does not count
-                i += 2
-                continue
-            depth += (c == "{") - (c == "}")
-            i += 1
-        if depth == 0:
-            out.append(text[m.end():i - 1])
-    return out
+    """Contents of every outermost ``\\boxed{...}`` with balanced braces, in order (unclosed boxes
+    skipped; a box nested in another is part of the outer one's content). Linear time: braces are
+    paired once for the whole text (math_extract.BoxScan), never rescanned per box."""
+    return [text[lo:hi] for _, lo, hi in unstripped_boxes(_scan_boxed(text))]
+
+
+def has_nonempty_box(text: str) -> bool:
+    """Whether some ``\\boxed{...}`` has non-blank content (without copying any content)."""
+    return any(lo < hi for _, lo, hi in _scan_boxed(text).outermost())
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -95,6 +95,6 @@ def check_format(task: Task, response: str) -> FormatResult:
         if not programs:
             return FormatResult(False, f"no fenced ```{task.language} block in the answer", thoughts, answer)
         return FormatResult(True, "", thoughts, answer, code=programs[-1])
-    if not any(c.strip() for c in boxed_contents(answer)):
+    if not has_nonempty_box(answer):
         return FormatResult(False, "no non-empty \\boxed{} in the answer", thoughts, answer)
     return FormatResult(True, "", thoughts, answer)

@@ -1,15 +1,35 @@
 """Answer extraction: the content of the LAST ``\\boxed{}`` / ``\\fbox{}`` in a response.
 
-Pure string scanning (no regex backtracking, no parser), linear in the response length, so it is
-safe to run in the caller's process even on hostile responses.
+Linear time on any input. A per-box scan for the closing brace is quadratic on hostile responses
+(thousands of unclosed ``\\boxed{``, or boxes nested thousands deep, each rescan the rest of the
+text), so ``BoxScan`` instead pairs every brace of the text once, in a few vectorised NumPy passes,
+and precomputes per box command everything the box grammar asks (where its argument starts, where
+that argument closes, where its whitespace-stripped content lies). The rules are walked in Python
+only per box command, in O(1) each.
+
+Box grammar (unchanged): ``\\boxed{..}``, ``\\boxed {..}`` (spaces, tabs, newlines before ``{``) and
+the brace-less ``\\boxed 5`` (the run of non-space characters up to whitespace or ``$``, minus
+trailing ``.,;``; ``\\boxedfoo`` is another command). ``\\{`` and ``\\}`` are not grouping braces (a
+brace counts as escaped after an odd run of backslashes). Boxes are taken outermost first, left to
+right: a box inside an earlier box's argument is part of that box, not a box of its own; a box
+whose argument never closes is skipped, and the boxes inside it still count.
 """
 from __future__ import annotations
 
+import numpy as np
+
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+_OPEN, _CLOSE, _BACKSLASH, _DOLLAR = ord("{"), ord("}"), ord("\\"), ord("$")
+_ARG_SPACE = np.array([ord(" "), ord("\t"), ord("\n")], dtype=np.uint32)
+# code points for which str.isspace() holds (all lie below U+3001): the strip() of the old scan
+_ISSPACE = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
 
 
 def _match_brace(text: str, open_idx: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``open_idx`` (escaped ``\\{``/``\\}`` skipped), or None."""
+    """Index of the ``}`` closing the ``{`` at ``open_idx`` (escaped ``\\{``/``\\}`` skipped), or None.
+
+    One brace, O(length): for short, already extracted answers (math_normalize). Whole responses
+    go through BoxScan."""
     depth = 0
     i = open_idx
     n = len(text)
@@ -28,57 +48,219 @@ def _match_brace(text: str, open_idx: int) -> int | None:
     return None
 
 
-def _box_argument(text: str, start: int) -> tuple[str, int] | None:
-    """Parse the argument of a box command whose name ends at ``start``.
+def pair_braces(codes: np.ndarray) -> np.ndarray:
+    """For each position, the index of the ``}`` that closes a ``{`` there, else -1 (length n + 1:
+    index n is a spare "no brace" slot).
 
-    Returns (content, end_index) or None when the argument is missing or unbalanced.
-    Accepts ``\\boxed{..}``, ``\\boxed {..}`` and the brace-less ``\\boxed 5`` style (the run of
-    non-space characters up to whitespace or ``$``, minus trailing punctuation).
+    The result is what a stack scan gives (a stray ``}`` with nothing open is ignored), computed
+    without a Python loop: the depth after each brace is the running sum of +1/-1 reflected at 0
+    (sum - min(0, running min of sum)); at one depth, openings and the closings that leave it
+    alternate in text order, so a stable sort by depth puts each ``{`` right before its ``}``.
     """
-    n = len(text)
-    i = start
-    while i < n and text[i] in " \t\n":
-        i += 1
-    if i >= n:
-        return None
-    if text[i] == "{":
-        close = _match_brace(text, i)
-        if close is None:
-            return None
-        return text[i + 1 : close], close + 1
-    if i == start and text[i].isalpha():
-        return None  # "\boxedfoo" is another command, not a box
-    j = i
-    while j < n and not text[j].isspace() and text[j] != "$":
-        j += 1
-    token = text[i:j].rstrip(".,;")
-    if not token:
-        return None
-    return token, j
+    n = codes.shape[0]
+    close = np.full(n + 1, -1, dtype=np.int64)
+    pos = np.flatnonzero((codes == _OPEN) | (codes == _CLOSE))
+    if pos.size and pos[0] == 0:
+        pos0, pos = pos[:1], pos[1:]
+    else:
+        pos0 = pos[:0]
+    if pos.size:  # an odd run of backslashes right before a brace escapes it
+        slashed = pos[codes[pos - 1] == _BACKSLASH]
+        if slashed.size:
+            is_bs = codes == _BACKSLASH
+            run_start = np.flatnonzero(is_bs & ~np.insert(is_bs[:-1], 0, False))
+            run = slashed - run_start[np.searchsorted(run_start, slashed - 1, side="right") - 1]
+            pos = np.setdiff1d(pos, slashed[run % 2 == 1], assume_unique=True)
+    pos = np.concatenate((pos0, pos))
+    if pos.size == 0:
+        return close
+    is_open = codes[pos] == _OPEN
+    total = np.cumsum(np.where(is_open, 1, -1).astype(np.int32))
+    depth_after = total - np.minimum(np.minimum.accumulate(total), 0)
+    depth_before = np.concatenate((np.zeros(1, np.int32), depth_after[:-1]))
+    keep = is_open | (depth_before > 0)  # closings with nothing open are ignored
+    pos, is_open = pos[keep], is_open[keep]
+    key = np.where(is_open, depth_after[keep], depth_before[keep])
+    order = np.argsort(key, kind="stable")  # stable: text order within one depth
+    pos, is_open, key = pos[order], is_open[order], key[order]
+    left = np.flatnonzero(is_open[:-1] & ~is_open[1:] & (key[:-1] == key[1:]))
+    close[pos[left]] = pos[left + 1]
+    return close
 
 
-def _box_at(text: str, j: int) -> tuple[str, int] | None:
-    """(content, end) of a box command starting at index ``j``, or None."""
-    for cmd in _BOX_COMMANDS:
-        if text.startswith(cmd, j):
-            return _box_argument(text, j + len(cmd))
-    return None
+def _skip(mask: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """For each query index q, the first index >= q where ``mask`` is False (len(mask) if none).
+
+    Searches the ends of the True runs (one binary search per query), so no per-position array
+    of answers is built."""
+    n = mask.shape[0]
+    out = query.copy()
+    q_in = query < n
+    hit = np.zeros(query.shape[0], dtype=bool)
+    hit[q_in] = mask[query[q_in]]
+    if hit.any():
+        run_end = np.flatnonzero(mask & ~np.append(mask[1:], False))  # last index of each True run
+        out[hit] = run_end[np.searchsorted(run_end, query[hit])] + 1
+    return out
+
+
+def _back(mask: np.ndarray, query: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """For each query index q, 1 + the last index < q where ``mask`` is False, but at least floor."""
+    out = query.copy()
+    prev = query - 1
+    ok = prev >= floor
+    hit = np.zeros(query.shape[0], dtype=bool)
+    hit[ok] = mask[prev[ok]]
+    if hit.any():
+        run_start = np.flatnonzero(mask & ~np.insert(mask[:-1], 0, False))  # first index of each run
+        out[hit] = run_start[np.searchsorted(run_start, prev[hit], side="right") - 1]
+    return np.maximum(out, floor)
+
+
+def _is_space(codes: np.ndarray) -> np.ndarray:
+    """str.isspace() of every character, by comparisons (np.isin only for the rare non-ASCII)."""
+    mask = ((codes >= 9) & (codes <= 13)) | ((codes >= 28) & (codes <= 32))
+    high = np.flatnonzero(codes >= 0x85)
+    if high.size:
+        mask[high] = np.isin(codes[high], _ISSPACE)
+    return mask
+
+
+def _find_all(codes: np.ndarray, slashes: np.ndarray, word: str) -> np.ndarray:
+    """Start of every occurrence of ``word`` (which begins with a backslash)."""
+    n, hit = codes.shape[0], slashes[slashes <= codes.shape[0] - len(word)]
+    for i, ch in enumerate(word[1:], 1):
+        hit = hit[codes[hit + i] == ord(ch)]
+    return hit if n else hit[:0]
+
+
+class BoxScan:
+    """Every box command of one text, parsed once (see module doc); O(len(text)) to build.
+
+    Per command t (in text order), as NumPy arrays: ``start``, ``arg`` (first character of its
+    argument; n: none), ``braced``, ``close`` (the argument's closing brace; -1: none), ``lo``/``hi``
+    (the braced content stripped of whitespace), ``after`` (first non-space after the closing
+    brace), ``stop`` (end of a brace-less token), ``alpha`` (a letter right after the command name:
+    another command, ``\\boxedfoo``)."""
+
+    def __init__(self, text: str, commands=_BOX_COMMANDS, braceless: bool = True, any_space: bool = False):
+        """``any_space``: any whitespace may precede the ``{`` (the format gate's ``\\s*``), else only
+        space, tab and newline (the extraction grammar). ``braceless``: accept ``\\boxed 5``."""
+        self.text, self.braceless = text, braceless
+        n = self.n = len(text)
+        codes = self._codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        slashes = np.flatnonzero(codes == _BACKSLASH)
+        found = [(_find_all(codes, slashes, cmd), len(cmd)) for cmd in commands]
+        start = np.concatenate([hits for hits, _ in found] + [np.zeros(0, np.int64)])
+        length = np.concatenate([np.full(hits.shape[0], k, np.int64) for hits, k in found] + [np.zeros(0, np.int64)])
+        order = np.argsort(start, kind="stable")
+        self.start, self.length = start[order], length[order]
+        self.m = m = self.start.shape[0]
+        is_space = _is_space(codes) if m else np.zeros(n, dtype=bool)
+        arg_space = is_space if any_space else (codes == 32) | (codes == 9) | (codes == 10)
+        self.arg = arg = _skip(arg_space, self.start + self.length)
+        self.braced = braced = np.zeros(m, dtype=bool)
+        inside = arg < n
+        ch = codes[arg[inside]]
+        braced[inside] = ch == _OPEN
+        self.close = shut = pair_braces(codes)[arg] if m else np.zeros(0, np.int64)
+        closed = shut >= 0
+        self.lo = lo = _skip(is_space, np.where(closed, arg + 1, n))
+        self.hi = np.where(closed, _back(is_space, np.where(closed, shut, 0), lo), lo)
+        self.after = _skip(is_space, np.where(closed, shut + 1, n))
+        self.stop = _skip(~(is_space | (codes == _DOLLAR)), arg)
+        self.alpha = alpha = np.zeros(m, dtype=bool)
+        letter = ((ch | 32) >= ord("a")) & ((ch | 32) <= ord("z"))
+        wide = np.flatnonzero(ch >= 128)
+        if wide.size:  # non-ASCII: ask Python, one character per command
+            where = np.flatnonzero(inside)[wide]
+            letter[wide] = [text[i].isalpha() for i in arg[where].tolist()]
+        alpha[inside] = letter & (arg[inside] == self.start[inside] + self.length[inside])
+        self._is_space, self._punct = is_space, None
+
+    def _token_end(self, t: int) -> tuple[int, int] | None:
+        """(content hi, end) of brace-less command t read to the end of the text; None: not a box."""
+        arg, end = int(self.arg[t]), int(self.stop[t])
+        if arg >= self.n or self.alpha[t]:
+            return None  # no argument, or "\\boxedfoo" (another command)
+        hi = int(self._rstrip(np.array([end]), np.array([arg]))[0])
+        return (hi, end) if hi > arg else None
+
+    def _rstrip(self, end: np.ndarray, floor: np.ndarray) -> np.ndarray:
+        """1 + the last index < end whose character is not one of ``.,;`` (at least floor)."""
+        if self._punct is None:
+            c = self._codes
+            self._punct = (c == ord(".")) | (c == ord(",")) | (c == ord(";"))
+        return _back(self._punct, end, floor)
+
+    def outermost(self) -> list[tuple[int, int, int]]:
+        """(command index, content lo, content hi) of every outermost box, in text order; braced
+        contents are stripped of whitespace, brace-less ones of trailing ``.,;``."""
+        out, resume, braceless = [], 0, self.braceless
+        start, braced, close = self.start.tolist(), self.braced.tolist(), self.close.tolist()
+        lo, hi = self.lo.tolist(), self.hi.tolist()
+        for t, s in enumerate(start):
+            if s < resume:
+                continue  # inside the previous box
+            if braced[t]:
+                if close[t] >= 0:
+                    out.append((t, lo[t], hi[t]))
+                    resume = close[t] + 1
+            elif braceless:
+                token = self._token_end(t)
+                if token is not None:
+                    out.append((t, int(self.arg[t]), token[0]))
+                    resume = token[1]
+        return out
+
+    def unwrap(self, t0: int, lo: int, hi: int) -> tuple[int, int]:
+        """Strip boxes whose argument is the whole remaining content (``\\boxed{\\boxed{5}}`` -> 5),
+        starting inside box ``t0`` whose stripped content is [lo, hi).
+
+        The box inside box t, if any, is command t + 1 (only t's name, spaces and brace lie between
+        them), so the chain is a run of consecutive commands: every link t -> t + 1 is tested at
+        once, with the region end H_t each level has (a braced level's own ``hi``; a brace-less
+        level keeps its parent's end, minus trailing ``.,;``), and the first failing link ends it."""
+        if t0 + 1 >= self.m or self.start[t0 + 1] != lo:
+            return lo, hi
+        sl = slice(t0, self.m)
+        start, arg, braced = self.start[sl], self.arg[sl], self.braced[sl]
+        k = np.arange(start.shape[0])
+        # H of the nearest braced level at or above each level (the box t0 counts as one: its region)
+        top = np.maximum.accumulate(np.where(braced | (k == 0), k, 0))
+        h_top = np.where(top == 0, hi, self.hi[sl][top])
+        bound = np.where(braced, self.hi[sl], self._rstrip(h_top, arg))  # H_t for t > t0
+        bound[0] = hi
+        lo_t = np.where(braced, self.lo[sl], arg)  # where level t's content starts
+        lo_t[0] = lo
+        parent, child = slice(0, -1), slice(1, None)
+        h = bound[parent]
+        inner = arg[child]
+        ok_braced = (braced[child] & (self.close[sl][child] >= 0) & (self.close[sl][child] < h)
+                     & (self.after[sl][child] >= h))
+        ok_bare = (~braced[child] & ~self.alpha[sl][child] & (self.stop[sl][child] >= h)
+                   & (self._rstrip(h, inner) > inner)) if self.braceless else False
+        link = (start[child] == lo_t[parent]) & (inner < h) & (ok_braced | ok_bare)
+        broken = np.flatnonzero(~link)
+        last = int(broken[0]) if broken.size else link.shape[0]  # levels t0 .. t0 + last hold
+        if last == 0:
+            return lo, hi
+        return int(lo_t[last]), int(bound[last])
 
 
 def find_boxes(text: str) -> list[str]:
     """Contents of all outermost box commands, in order of appearance."""
-    out: list[str] = []
-    i = 0
-    while True:
-        j = text.find("\\", i)
-        if j < 0:
-            return out
-        parsed = _box_at(text, j)
-        if parsed is None:
-            i = j + 1
-        else:
-            out.append(parsed[0])
-            i = parsed[1]
+    return [text[lo:hi] for _, lo, hi in unstripped_boxes(BoxScan(text))]
+
+
+def unstripped_boxes(scan: BoxScan) -> list[tuple[int, int, int]]:
+    """Outermost boxes with their unstripped braced contents (find_boxes returns them as written)."""
+    out = []
+    for t, lo, hi in scan.outermost():
+        if scan.braced[t]:
+            lo, hi = int(scan.arg[t]) + 1, int(scan.close[t])
+        out.append((t, lo, hi))
+    return out
 
 
 def extract_answer(response: str) -> str | None:
@@ -88,12 +270,11 @@ def extract_answer(response: str) -> str | None:
     """
     if not isinstance(response, str):
         raise TypeError(f"response must be str, got {type(response).__name__}")
-    boxes = find_boxes(response)
+    if "\\" not in response:
+        return None
+    scan = BoxScan(response)
+    boxes = scan.outermost()
     if not boxes:
         return None
-    answer = boxes[-1].strip()
-    while True:
-        parsed = _box_at(answer, 0)
-        if parsed is None or answer[parsed[1]:].strip():
-            return answer
-        answer = parsed[0].strip()
+    lo, hi = scan.unwrap(*boxes[-1])
+    return response[lo:hi]

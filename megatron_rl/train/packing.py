@@ -4,6 +4,8 @@ Each bin of at most `capacity` tokens becomes one micro-batch: the sequences are
 one row with per-sequence position ids and a block-diagonal causal attention mask (the local layer
 spec on CPU takes it explicitly; Transformer Engine on GPU takes `PackedSeqParams` in THD format
 built from the same boundaries). Bins are filled first-fit decreasing.
+Packing builds its tensors on the CPU (cheap, device-agnostic); the step moves each micro-batch to the
+model's device once with `PackedMicroBatch.to` before any forward reads it.
 
 Label alignment: the logit at position t predicts token t+1, so a completion token at index k of
 its sequence (k >= prompt_len) is scored at position k-1. `loss_mask` marks those positions;
@@ -12,6 +14,7 @@ predicts nothing inside the bin (its label is masked), so sequences never leak i
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -98,10 +101,25 @@ class PackedMicroBatch:
     def n_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device: torch.device | str) -> "PackedMicroBatch":
+        """A copy whose tensors (optional ones included) live on `device`; `self` when they already do."""
+        device = torch.device(device)
+        if self.tokens.device == device:
+            return self
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
     def set_advantages(self, values: Sequence[float]) -> None:
         """Replace the advantages with `values[i]` for the i-th sequence of the caller's list."""
         real = len(self.seq_indices)
-        per_segment = torch.tensor([float(values[i]) for i in self.seq_indices] + [0.0], dtype=torch.float32)
+        # built where the micro-batch lives: it is indexed by segment_ids and mixed with loss_mask
+        per_segment = torch.tensor([float(values[i]) for i in self.seq_indices] + [0.0], dtype=torch.float32,
+                                   device=self.segment_ids.device)
         adv = per_segment[self.segment_ids.clamp_max(real)]
         self.advantages = torch.where(self.loss_mask[0] > 0, adv, 0.0).unsqueeze(0)
 
@@ -109,7 +127,7 @@ class PackedMicroBatch:
         """Block-diagonal causal mask `[1, 1, T, T]`, Megatron convention: True = masked out."""
         seg = self.segment_ids
         same = seg.unsqueeze(0) == seg.unsqueeze(1)
-        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril_()
+        causal = torch.ones(self.length, self.length, dtype=torch.bool, device=seg.device).tril_()
         return ~(same & causal).view(1, 1, self.length, self.length)
 
     def packed_seq_params(self):

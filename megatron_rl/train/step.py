@@ -27,6 +27,9 @@ The same machinery runs SFT (`objective="sft"`: cross-entropy on completion toke
 chunked `train.logprobs.token_logprobs`).
 Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
 so every rank returns the same numbers.
+Devices: `prepare_minibatch` moves the packed micro-batches to the model's device once
+(`train.device.model_device`); the loss statistics, the metric and count reductions are made there too,
+so the collectives send tensors the process group can carry (CUDA on NCCL, CPU on gloo).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from megatron_rl.algo.loss import clipped_token_loss_with_stats
 from megatron_rl.config import AlgoConfig, TrainerConfig
 from megatron_rl.records import TrainSequence
 from megatron_rl.ops import SequenceKL, fused_clipped_loss
+from megatron_rl.train.device import model_device
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, pack_sequences, split_balanced
 
@@ -130,7 +134,7 @@ def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx
                                               algo.eps_low, algo.eps_high, normalizer=1.0,
                                               proximal_logprobs=mb.proximal_logprobs, tis_cap=algo.tis_cap)
         kl_sum = (torch.where(mask, logp - mb.ref_logprobs, 0.0).sum() if mb.ref_logprobs is not None
-                  else torch.zeros(()))
+                  else torch.zeros((), device=logp.device))
     stats = {"clip_low": st.clip_frac_low * st.n_tokens, "clip_high": st.clip_frac_high * st.n_tokens,
              "ratio_sum": st.ratio_mean * st.n_tokens, "ratio_min": st.ratio_min, "ratio_max": st.ratio_max,
              "kl_sum": kl_sum, "is_weight_sum": st.is_weight_mean * st.n_tokens}
@@ -140,8 +144,11 @@ def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx
 def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, output: torch.Tensor):
     """Token-sum loss, token count, and detached sums for the metrics of this micro-batch.
 
-    `output` stays in the model dtype (bf16 or fp32): both paths read it in float32 chunks."""
+    `output` stays in the model dtype (bf16 or fp32): both paths read it in float32 chunks. Every
+    statistic is made on the output's device: the schedule sums the counts, `_reduce_metrics` stacks them."""
     from megatron.core import parallel_state as ps
+
+    dev = output.device
 
     tp_group = ps.get_tensor_model_parallel_group() if ctx.layout.tp > 1 else None
     mask = mb.loss_mask > 0
@@ -158,15 +165,16 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
                              with_entropy=log_entropy)
         logp, entropy = res if log_entropy else (res, None)
         loss_sum = -torch.where(mask, logp, 0.0).sum()
-        zero = torch.zeros((), dtype=torch.float32)
-        stats = {"clip_low": zero, "clip_high": zero, "ratio_sum": n.float(), "ratio_min": torch.ones(()),
-                 "ratio_max": torch.ones(()), "kl_sum": zero, "is_weight_sum": n.float()}
+        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        stats = {"clip_low": zero, "clip_high": zero, "ratio_sum": n.float(), "ratio_min": one,
+                 "ratio_max": one, "kl_sum": zero, "is_weight_sum": n.float()}
     with torch.no_grad():
         reduced = {"loss_sum": loss_sum.detach().float(), "n_tokens": n.float(),
                    "entropy_sum": (torch.where(mask, entropy, 0.0).sum().float() if entropy is not None
-                                   else torch.tensor(float("nan"))),
+                                   else torch.tensor(float("nan"), device=dev)),
                    "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float(),
-                   "seq_count": torch.tensor(float(len(mb.seq_indices)))}
+                   "seq_count": torch.tensor(float(len(mb.seq_indices)), device=dev)}
         reduced.update({k: v.float() for k, v in stats.items()})
     # the schedule backpropagates loss_sum; finalize_model_grads divides grads by the summed count
     return loss_sum, n.to(torch.int), reduced
@@ -178,14 +186,15 @@ def _forward_step(ctx: StepContext, objective: Objective, data_iterator, model_c
     return output, partial(_loss_func, mb, ctx, objective)
 
 
-def _reduce_metrics(stores: list[dict], ctx: StepContext) -> dict[str, float]:
-    """Combine micro-batch sums over DP ranks and share them from the last PP stage with everyone."""
+def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) -> dict[str, float]:
+    """Combine micro-batch sums over DP ranks and share them from the last PP stage with everyone.
+    `device`: the model's (stages without stores still join the collectives with tensors there)."""
     from megatron.core import parallel_state as ps
 
     big = torch.finfo(torch.float32).max
-    sums = torch.zeros(len(_SUM_KEYS))
-    mins = torch.full((len(_MIN_KEYS),), big)
-    maxs = torch.full((len(_MAX_KEYS),), -big)
+    sums = torch.zeros(len(_SUM_KEYS), device=device)
+    mins = torch.full((len(_MIN_KEYS),), big, device=device)
+    maxs = torch.full((len(_MAX_KEYS),), -big, device=device)
     for d in stores:
         if float(d["n_tokens"]) == 0:
             continue
@@ -219,10 +228,10 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext) -> dict[str, float]:
     return out
 
 
-def _all_reduce_int(values: list[int]) -> list[int]:
+def _all_reduce_int(values: list[int], device: torch.device) -> list[int]:
     from megatron.core import parallel_state as ps
 
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, group=ps.get_data_parallel_group())
     return [int(v) for v in t.tolist()]
@@ -250,6 +259,9 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
     packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens,
                             advantages=[advantages[i] for i in share],
                             pad_multiple=_pad_multiple(model[0].config), pad_to_common=ctx.layout.pp > 1)
+    # once per minibatch: every pass over it (logprobs, loss) then reads tensors on the model's device
+    device = model_device(model)
+    packed.micro_batches = [mb.to(device) for mb in packed.micro_batches]
     if ctx.layout.n_chunks > 1 and len(packed.micro_batches) % ctx.layout.pp:
         raise ValueError(f"interleaved pipeline needs the micro-batch count ({len(packed.micro_batches)}) to be "
                          f"a multiple of pp={ctx.layout.pp}; lower trainer.micro_batch_tokens or change the minibatch")
@@ -273,8 +285,10 @@ def _store_logprobs(mb: PackedMicroBatch, ctx: StepContext, field: str, output: 
     with torch.no_grad():
         logp = token_logprobs(_tempered(output, mb), mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size)
     setattr(mb, field, torch.where(mb.loss_mask > 0, logp.float(), 0.0))
-    # a dummy loss; a count of 1 keeps the schedule's normalisation finite
-    return torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.int), {}
+    # a dummy loss; a count of 1 keeps the schedule's normalisation finite (both on the model's device,
+    # where the schedule accumulates the counts)
+    return (torch.zeros((), dtype=torch.float32, device=output.device),
+            torch.ones((), dtype=torch.int, device=output.device), {})
 
 
 def _logprob_step(ctx: StepContext, field: str, data_iterator, model_chunk):
@@ -306,8 +320,9 @@ def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMiniba
         for chunk in model:
             chunk.zero_grad_buffer()
     stores = _schedule(model, prepared, partial(_forward_step, ctx, objective), forward_only)
-    metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx)
-    real, packed_tok = _all_reduce_int([packed.stats.real_tokens, packed.stats.packed_tokens])
+    device = model_device(model)
+    metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx, device)
+    real, packed_tok = _all_reduce_int([packed.stats.real_tokens, packed.stats.packed_tokens], device)
     # naive baseline: every sequence of the minibatch padded to its longest one
     naive = len(seqs) * max(len(s.token_ids) for s in seqs)
     n_mbs = len(packed.micro_batches)

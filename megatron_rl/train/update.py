@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import AlgoConfig
 from megatron_rl.records import TrainSequence
+from megatron_rl.train.device import model_device
 from megatron_rl.train.step import (PreparedMinibatch, StepContext, collect_logprobs, minibatch_advantages,
                                     prepare_minibatch)
 
@@ -55,7 +56,7 @@ def prepare_update(model: list, reference, minibatches: list[list[TrainSequence]
         for p in prepared:
             collect_logprobs(reference.chunks, p, ctx, "ref_logprobs")
     if algo.kl_mode == "reward":
-        _apply_kl_reward(prepared, ctx)
+        _apply_kl_reward(prepared, ctx, model_device(model))
     if algo.proximal != "trainer":  # computed for the KL only: the ratio stays on the behaviour logprobs
         for p in prepared:
             for mb in p.packed.micro_batches:
@@ -63,34 +64,35 @@ def prepare_update(model: list, reference, minibatches: list[list[TrainSequence]
     return prepared
 
 
-def _sequence_k1(p: PreparedMinibatch) -> torch.Tensor:
-    """[len(p.seqs)] float64: sum over each sequence's completion of (proximal - reference), from the
-    micro-batches this rank holds (zeros elsewhere, and on stages before the last)."""
-    k1 = torch.zeros(len(p.seqs), dtype=torch.float64)
+def _sequence_k1(p: PreparedMinibatch, device: torch.device) -> torch.Tensor:
+    """[len(p.seqs)] float64 on `device` (the model's, where the micro-batches live): sum over each
+    sequence's completion of (proximal - reference), from the micro-batches this rank holds (zeros
+    elsewhere, and on stages before the last)."""
+    k1 = torch.zeros(len(p.seqs), dtype=torch.float64, device=device)
     for mb in p.packed.micro_batches:
         if mb.ref_logprobs is None:  # not the last pipeline stage
             continue
-        diff = torch.where(mb.loss_mask[0] > 0, (mb.proximal_logprobs - mb.ref_logprobs)[0], 0.0).double().cpu()
-        sums = torch.zeros(len(mb.seq_indices) + 1, dtype=torch.float64).index_add_(0, mb.segment_ids.cpu(), diff)
-        for j, local in enumerate(mb.seq_indices):
-            k1[p.share[local]] += sums[j]
+        diff = torch.where(mb.loss_mask[0] > 0, (mb.proximal_logprobs - mb.ref_logprobs)[0], 0.0).double()
+        sums = torch.zeros(len(mb.seq_indices) + 1, dtype=torch.float64, device=device).index_add_(
+            0, mb.segment_ids, diff)
+        # each sequence sits in exactly one micro-batch: one scatter per micro-batch, no per-element copies
+        rows = torch.tensor([p.share[local] for local in mb.seq_indices], device=device)
+        k1.index_add_(0, rows, sums[:-1])
     return k1
 
 
 def _share_with_all_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Sum over DP ranks (each holds its share), then broadcast from the last pipeline stage."""
+    """Sum over DP ranks (each holds its share), then broadcast from the last pipeline stage. `t` lives
+    on the model's device, which is the one the trainer's process group carries (see train.device)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         return t
-    dev = t.device
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
     dist.all_reduce(t, group=ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
-    return t.to(dev)
+    return t
 
 
 def kl_reward_advantages(seqs: Sequence[TrainSequence], k1: Sequence[float], kl_coef: float) -> list[float]:
@@ -106,8 +108,8 @@ def kl_reward_advantages(seqs: Sequence[TrainSequence], k1: Sequence[float], kl_
     return out
 
 
-def _apply_kl_reward(prepared: list[PreparedMinibatch], ctx: StepContext) -> None:
-    k1 = torch.cat([_share_with_all_ranks(_sequence_k1(p)) for p in prepared]).tolist()
+def _apply_kl_reward(prepared: list[PreparedMinibatch], ctx: StepContext, device: torch.device) -> None:
+    k1 = torch.cat([_share_with_all_ranks(_sequence_k1(p, device)) for p in prepared]).tolist()
     seqs = [s for p in prepared for s in p.seqs]
     adjusted = kl_reward_advantages(seqs, k1, ctx.algo.kl_coef)
     offset = 0

@@ -5,9 +5,13 @@
   import-only `sgl_kernel` stub on its PYTHONPATH (the stub never enters this process).
 
 Both do nothing when a CUDA device exists, so GPU runs use the libraries untouched.
+- `megatron_kernel_options(use_te, interleaved)`: the Megatron fusion / p2p / init switches this
+  machine supports (everything off on CPU-gloo, Megatron's training defaults on CUDA where the kernel
+  behind a switch is installed).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -38,3 +42,49 @@ def sglang_cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
     paths = [str(SGL_KERNEL_STUB_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _te_rope_fusion_available() -> bool:
+    # what TransformerConfig itself checks for apply_rope_fusion (TE >= 1.4's fused RoPE)
+    try:
+        from megatron.core.models.common.embeddings import rope_utils
+    except Exception:  # a broken TE install must not take the unfused path down
+        return False
+    return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
+
+
+def megatron_kernel_options(*, use_te: bool, interleaved: bool) -> dict[str, bool]:
+    """TransformerConfig switches for this machine (`use_te`: the Transformer Engine layer spec is used;
+    `interleaved`: virtual pipeline stages).
+
+    CPU (gloo): every fusion off (they are CUDA kernels; the unfused paths are the numerical reference),
+    parameters initialised on the CPU, and no batched p2p for interleaved PP: batch_isend_irecv on gloo
+    with interleaved PP=2 gives silently wrong losses (ENVIRONMENT.md).
+    CUDA: Megatron-LM's training defaults, each only where its kernel exists:
+    - bias_dropout_fusion, bias_activation_fusion (SwiGLU): torch.compile/jit kernels, always there;
+    - apply_rope_fusion: TE's fused RoPE;
+    - gradient_accumulation_fusion: apex's `fused_weight_gradient_mlp_cuda` (Megatron's own
+      ColumnParallelLinear, e.g. the output layer, raises without it even under the TE spec); it
+      accumulates into `main_grad`, so only DDP-wrapped chunks can run a backward with it;
+    - masked_softmax_fusion: the `scaled_masked_softmax_cuda` kernel (read by the local spec's
+      DotProductAttention only);
+    - persist_layer_norm stays off: it is apex's persistent *LayerNorm* kernel, these families use
+      RMSNorm, and the local spec's torch norm asserts it off.
+    """
+    if not has_cuda():
+        return {"bias_dropout_fusion": False, "bias_activation_fusion": False, "apply_rope_fusion": False,
+                "gradient_accumulation_fusion": False, "masked_softmax_fusion": False,
+                "persist_layer_norm": False, "batch_p2p_comm": not interleaved,
+                "use_cpu_initialization": True}
+    return {"bias_dropout_fusion": True, "bias_activation_fusion": True,
+            "apply_rope_fusion": use_te and _te_rope_fusion_available(),
+            "gradient_accumulation_fusion": _module_available("fused_weight_gradient_mlp_cuda"),
+            "masked_softmax_fusion": _module_available("scaled_masked_softmax_cuda"),
+            "persist_layer_norm": False, "batch_p2p_comm": True, "use_cpu_initialization": False}

@@ -175,8 +175,14 @@ def _megatron_applies_yarn_mscale() -> bool:
     return hasattr(attention, "_yarn_get_concentration_factor_from_config")
 
 
-def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32):
+def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
+                       use_te: bool | None = None):
+    """Megatron's TransformerConfig for `dims` under `layout`. Fusions, batched p2p and CPU init come
+    from `platform.megatron_kernel_options` (the machine's facts); `use_te`: the TE layer spec is used
+    (default: TE importable on GPU, as `layer_spec`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl.platform import megatron_kernel_options
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} not supported (float32, bfloat16, float16)")
@@ -187,6 +193,10 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
     softmax_scale = None
     if dims.rope.kind == "yarn" and dims.rope.mscale != 1.0 and not _megatron_applies_yarn_mscale():
         softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
+    kernels = megatron_kernel_options(use_te=te_available() if use_te is None else use_te,
+                                      interleaved=layout.interleaved)
+    if dims.rope.kind == "yarn":  # TE's fused THD RoPE drops YaRN's mscale (Megatron only warns on BSHD)
+        kernels["apply_rope_fusion"] = False
     config = TransformerConfig(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.padded_ffn_size,
         num_attention_heads=dims.padded_num_heads, num_query_groups=dims.padded_num_kv_heads,
@@ -197,14 +207,9 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         window_size=(dims.sliding_window - 1, 0) if dims.sliding_window else None,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
-        # Interleaved PP with batched p2p gives silently wrong results on gloo (ENVIRONMENT.md).
-        batch_p2p_comm=not layout.interleaved,
         pipeline_dtype=dtype, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        # Fusions need apex/TE/CUDA kernels; the unfused paths are numerically the reference.
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **kernels,
     )
     if dims.rope.kind == "yarn":  # GPTModel reads these with getattr (they live on MLA configs)
         config.yarn_rotary_scaling_factor = dims.rope.factor
@@ -248,7 +253,9 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
             ps.get_pipeline_model_parallel_world_size() != layout.pp:
         raise ValueError("layout does not match the initialised parallel state")
     dims = model_dims(hf_config, layout.tp)
-    config = transformer_config(dims, layout, dtype)
+    if use_te is None:
+        use_te = te_available()
+    config = transformer_config(dims, layout, dtype, use_te=use_te)
     spec = layer_spec(use_te)
     rope = dims.rope
     position_type = "yarn" if rope.kind == "yarn" else "rope"

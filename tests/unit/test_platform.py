@@ -110,3 +110,76 @@ def test_cpu_torch_survived_every_install():
     import torch
 
     assert torch.version.cuda is None and torch.__version__.startswith("2.13.0")
+
+
+# ---------------------------------------------------------------- Megatron kernel options per machine
+
+_FUSIONS = ("bias_dropout_fusion", "bias_activation_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
+            "masked_softmax_fusion", "persist_layer_norm")
+
+
+def _tiny_dims(layers=4):
+    from transformers import LlamaConfig
+
+    from megatron_rl.train.model import model_dims
+
+    return model_dims(LlamaConfig(num_hidden_layers=layers, num_attention_heads=4, hidden_size=64,
+                                  intermediate_size=128, vocab_size=128))
+
+
+def test_cpu_answer_turns_every_fusion_and_interleaved_batched_p2p_off():
+    import torch
+
+    from megatron_rl.platform import megatron_kernel_options
+    from megatron_rl.train.model import transformer_config
+    from megatron_rl.train.parallel import ParallelLayout
+
+    assert not torch.cuda.is_available()  # this test states the CPU answer
+    for use_te in (False, True):
+        plain = megatron_kernel_options(use_te=use_te, interleaved=False)
+        assert not any(plain[k] for k in _FUSIONS) and plain["use_cpu_initialization"]
+        assert plain["batch_p2p_comm"]  # plain 1F1B batches its p2p fine on gloo
+        # interleaved PP=2 with batched p2p gives silently wrong losses on gloo (ENVIRONMENT.md)
+        assert not megatron_kernel_options(use_te=use_te, interleaved=True)["batch_p2p_comm"]
+    config = transformer_config(_tiny_dims(), ParallelLayout(pp=2, vpp=2))
+    assert not any(getattr(config, k) for k in _FUSIONS)
+    assert not config.batch_p2p_comm and config.use_cpu_initialization
+
+
+def test_cuda_answer_turns_megatron_defaults_on_where_the_kernels_exist(monkeypatch):
+    import megatron_rl.platform as platform
+    from megatron_rl.train.model import transformer_config
+    from megatron_rl.train.parallel import ParallelLayout
+
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)  # the only fact mocked: a CUDA device exists
+    config = transformer_config(_tiny_dims(), ParallelLayout(pp=2, vpp=2), use_te=False)
+    assert config.bias_dropout_fusion and config.bias_activation_fusion  # torch kernels: always there
+    assert config.batch_p2p_comm and not config.use_cpu_initialization  # NCCL batches interleaved p2p
+    # the kernel-backed switches follow what is installed (none of them is on this CPU machine)
+    assert config.apply_rope_fusion is False  # the local spec (use_te=False) never takes TE's RoPE
+    assert config.gradient_accumulation_fusion == (importlib.util.find_spec("fused_weight_gradient_mlp_cuda")
+                                                   is not None)
+    assert config.masked_softmax_fusion == (importlib.util.find_spec("scaled_masked_softmax_cuda") is not None)
+    assert config.persist_layer_norm is False  # apex's LayerNorm-only kernel; these models use RMSNorm
+    te = platform.megatron_kernel_options(use_te=True, interleaved=True)
+    assert te["apply_rope_fusion"] == platform._te_rope_fusion_available()
+
+
+def test_yarn_rope_never_takes_the_fused_rope(monkeypatch):
+    """TE's fused THD RoPE ignores YaRN's mscale: the config keeps the unfused RoPE for YaRN models."""
+    import dataclasses
+
+    import megatron_rl.platform as platform
+    from megatron_rl.train.model import RopeSpec, transformer_config
+    from megatron_rl.train.parallel import ParallelLayout
+
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(platform, "_te_rope_fusion_available", lambda: True)
+    dims = _tiny_dims()
+    yarn = dataclasses.replace(dims, rope=RopeSpec(10000.0, "yarn", 4.0, 512, mscale=1.1386))
+    assert platform.megatron_kernel_options(use_te=True, interleaved=False)["apply_rope_fusion"]
+    # only the flag is checked: building a config with apply_rope_fusion=True needs TE installed
+    monkeypatch.setattr("megatron.core.transformer.transformer_config.TransformerConfig.__post_init__",
+                        lambda self: None)
+    assert transformer_config(yarn, ParallelLayout(), use_te=True).apply_rope_fusion is False
+    assert transformer_config(dims, ParallelLayout(), use_te=True).apply_rope_fusion is True

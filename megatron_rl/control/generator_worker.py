@@ -20,14 +20,17 @@ def _status(gen: Generator) -> GeneratorStatus:
     return GeneratorStatus(gen.generator_id, gen.server.url, gen.incarnation, gen.version, gen.needs_weight_sync)
 
 
-def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int,
+def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
                    poll_s: float = 0.01) -> None:
+    """`host`: this rank's node address; the server listens there and the controller and trainers
+    reach it there (its URL travels in GeneratorStatus)."""
     from mpi4py import MPI
 
     g = cfg.generator
     spec = ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
-                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), tp_size=g.tp_size)
+                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), tp_size=g.tp_size,
+                      host=host)
     gen = Generator(SGLangServer(spec), cfg.rollout, g, generator_id=index)
     rank = comm.Get_rank()
     try:

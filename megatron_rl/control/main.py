@@ -1,8 +1,10 @@
 """Entry point of every MPI rank of a training run: `mpiexec -n N python -m megatron_rl.control.main CONFIG`.
 
-Rank 0 prepares the run (directory, model files for the generators, the trainers' rendezvous) and
-broadcasts it; every rank then takes its role from `RankLayout`. `megatron-rl train` starts this
-under mpiexec by itself when it is not already running inside an MPI job.
+Every rank tells the others its node address and local rank (control/node.py); rank 0 prepares the
+run (directory, model files for the generators) and broadcasts it; the first trainer binds the
+trainers' rendezvous on its node and broadcasts the port; every rank then takes its role from
+`RankLayout`. `megatron-rl train` starts this under mpiexec by itself when it is not already
+running inside an MPI job.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.layout import RankLayout
-from megatron_rl.sync.group import free_port
+from megatron_rl.control.node import NodeEnvError, gather_nodes
+from megatron_rl.sync.group import bind_listener
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +49,8 @@ def resume_root(cfg: Config) -> Path | None:
 
 
 def prepare_run(cfg: Config, layout: RankLayout) -> dict:
-    """Rank 0: run directory, resolved config, model files for SGLang, ports. Raises on bad input."""
+    """Rank 0: run directory, resolved config, model files for SGLang, ports. Raises on bad input.
+    (The trainers' rendezvous port is the first trainer's to pick, on its own node: see main.)"""
     from megatron_rl.control.model_files import generator_model_dir
     from megatron_rl.control.preflight import check_code_sandbox
 
@@ -57,8 +61,8 @@ def prepare_run(cfg: Config, layout: RankLayout) -> dict:
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     model_dir = generator_model_dir(cfg.trainer.model, cfg.trainer.precision)
     ports = [cfg.generator.port_base + i for i in range(layout.generators)]
-    return {"run_dir": str(run_dir), "model_dir": str(model_dir), "master_port": free_port(),
-            "generator_ports": ports, "resume_root": str(resume) if resume else None}
+    return {"run_dir": str(run_dir), "model_dir": str(model_dir), "generator_ports": ports,
+            "resume_root": str(resume) if resume else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,15 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = run_config(args)
         layout = RankLayout.from_config(cfg)
         layout.check_world(comm.Get_size())
+        nodes = gather_nodes(comm)  # collective; the same list (or the same error) on every rank
         if rank == 0:
             setup = prepare_run(cfg, layout)
-    except (ConfigError, RuntimeError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, NodeEnvError, RuntimeError, FileNotFoundError, ValueError) as e:
         if rank == 0:
             print(f"megatron-rl train: {e}", file=sys.stderr)
         setup = {"error": str(e)}
     setup = comm.bcast(setup, root=0)
     if "error" in setup:
         return 1
+    lead = layout.trainer_lead
+    # the trainers meet on the first trainer's node; it holds the bound socket until its store adopts it
+    listener = bind_listener(nodes[lead].addr) if rank == lead else None
+    master_port = comm.bcast(listener.getsockname()[1] if listener else None, root=lead)
     role = layout.role(rank)
     if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -89,15 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     if role == "controller":
         return _run_controller(comm, cfg, layout, run_dir, setup)
     if role == "trainer":
-        from megatron_rl.control.trainer_worker import trainer_loop
+        from megatron_rl.control.trainer_worker import TrainerPlace, trainer_loop
 
-        trainer_loop(comm, cfg, layout.trainer_ranks.index(rank), layout.trainers, setup["master_port"],
-                     setup["resume_root"])
+        place = TrainerPlace(layout.trainer_ranks.index(rank), layout.trainers, nodes[rank].local_rank,
+                             nodes[rank].addr, nodes[lead].addr, master_port)
+        trainer_loop(comm, cfg, place, setup["resume_root"], listener)
     elif role == "generator":
         from megatron_rl.control.generator_worker import generator_loop
 
         index = layout.generator_ranks.index(rank)
-        generator_loop(comm, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index])
+        generator_loop(comm, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index],
+                       nodes[rank].addr)
     else:
         from megatron_rl.control.grading import verifier_loop
 

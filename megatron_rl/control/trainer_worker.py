@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -16,23 +18,56 @@ from megatron_rl.config import Config
 from megatron_rl.control.protocol import PushRequest, SaveRequest, Tag, WorkerFailure
 
 
-def _setup_dist_env(trainer_rank: int, world: int, master_port: int) -> None:
-    os.environ.update(RANK=str(trainer_rank), WORLD_SIZE=str(world), LOCAL_RANK=str(trainer_rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+@dataclass(frozen=True)
+class TrainerPlace:
+    """Where a trainer rank runs and where its world meets (control/node.py decides both)."""
+
+    rank: int  # among the trainers
+    world: int
+    local_rank: int  # on its node: the CUDA device it takes
+    node_addr: str  # its node's address: weight-update groups it sends on rendezvous here
+    master_addr: str  # the first trainer's node address
+    master_port: int
 
 
-def trainer_loop(comm, cfg: Config, trainer_rank: int, world: int, master_port: int, resume_root: str | None,
+def _setup_dist_env(place: TrainerPlace) -> None:
+    os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world), LOCAL_RANK=str(place.local_rank),
+                      MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
+
+
+def _init_default_group(place: TrainerPlace, listener) -> None:
+    """The trainers' world, rendezvousing on the first trainer's store. The store serves on the
+    socket the first trainer bound to its node's address (torch's env:// rendezvous would listen on
+    every interface); init_parallel then finds the group made and only builds Megatron's groups."""
+    import torch
+
+    from megatron_rl.sync.group import listening_store
+    from megatron_rl.train.parallel import default_backend
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(place.local_rank)
+    timeout = timedelta(minutes=10)
+    if listener is not None:
+        store = listening_store(listener, place.world, timeout)
+    else:
+        store = dist.TCPStore(place.master_addr, place.master_port, place.world, False, timeout=timeout)
+    dist.init_process_group(default_backend(), store=store, rank=place.rank, world_size=place.world)
+
+
+def trainer_loop(comm, cfg: Config, place: TrainerPlace, resume_root: str | None, listener=None,
                  poll_s: float = 0.01) -> None:
+    """`listener`: on the first trainer, the socket its rendezvous store serves on."""
     from mpi4py import MPI
 
     from megatron_rl.train.trainer import Trainer
 
-    _setup_dist_env(trainer_rank, world, master_port)
-    lead = trainer_rank == 0
+    _setup_dist_env(place)
+    lead = place.rank == 0
     rank = comm.Get_rank()
     try:
+        _init_default_group(place, listener)
         trainer = Trainer(cfg)
-        pusher = _Pusher(trainer, cfg)
+        pusher = _Pusher(trainer, cfg, place.node_addr)
     except Exception as e:
         comm.send(WorkerFailure("trainer", rank, f"trainer set-up failed: {type(e).__name__}: {e}"), dest=0,
                   tag=Tag.FAILED)
@@ -71,10 +106,10 @@ def trainer_loop(comm, cfg: Config, trainer_rank: int, world: int, master_port: 
 class _Pusher:
     """Weight sync from this trainer rank: a WeightSender on the first TP/DP rank of each stage."""
 
-    def __init__(self, trainer, cfg: Config):
+    def __init__(self, trainer, cfg: Config, node_addr: str):
         from megatron.core import parallel_state as ps
 
-        self.trainer, self.cfg = trainer, cfg
+        self.trainer, self.cfg, self.node_addr = trainer, cfg, node_addr
         self.is_sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.sender = None
@@ -88,7 +123,8 @@ class _Pusher:
         report = None
         if self.is_sender:
             if self.sender is None:
-                self.sender = WeightSender(self.stage, targets, bucket_mb=self.cfg.generator.bucket_mb)
+                self.sender = WeightSender(self.stage, targets, bucket_mb=self.cfg.generator.bucket_mb,
+                                           address=self.node_addr)
             else:
                 self.sender.retarget(targets)
             report = self.sender.send(tensors)

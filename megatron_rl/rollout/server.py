@@ -1,6 +1,7 @@
 """Lifecycle of one SGLang server process: launch, wait healthy, detect death, restart, shut down.
 
-The server listens on 127.0.0.1 only. It runs in its own session (process group) so shutdown can
+The server listens on `ServerSpec.host` only: its node's address in a run (control/node.py), 127.0.0.1
+by default (one host). It runs in its own session (process group) so shutdown can
 kill SGLang's scheduler/detokenizer children with it; its output goes to a log file. On a machine
 without CUDA it gets `megatron_rl.platform.sglang_cpu_env()` and `--device cpu`. `--sleep-on-idle`
 is always passed (an idle server otherwise busy-polls a core that trainers need) and
@@ -19,7 +20,7 @@ from pathlib import Path
 from megatron_rl.platform import has_cuda, sglang_cpu_env
 from megatron_rl.rollout.client import SGLangClient
 
-HOST = "127.0.0.1"
+HOST = "127.0.0.1"  # the single-host default
 
 
 class ServerStartError(RuntimeError):
@@ -41,11 +42,12 @@ class ServerSpec:
     # (computed by the old weights) is then tagged with the new version. Off by default so that
     # per-token versions are exact; turn on for throughput when off-by-one tags are acceptable.
     overlap_schedule: bool = False
+    host: str = HOST  # the address to listen on and to be reached at (never a wildcard: see node.py)
     tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
-               "--host", HOST, "--port", str(self.port),
+               "--host", self.host, "--port", str(self.port),
                "--max-total-tokens", str(self.max_total_tokens), "--sleep-on-idle",
                "--weight-version", str(self.initial_version), "--skip-server-warmup",
                "--log-level", "warning"]
@@ -83,7 +85,8 @@ class SGLangServer:
         if not Path(spec.model_path).exists():
             raise FileNotFoundError(f"model path does not exist: {spec.model_path}")
         self.spec = spec
-        self.url = f"http://{HOST}:{spec.port}"
+        host = f"[{spec.host}]" if ":" in spec.host else spec.host
+        self.url = f"http://{host}:{spec.port}"
         self.client = SGLangClient(self.url)
         self.log_path = Path(spec.log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{spec.port}.log")
         self.proc: subprocess.Popen | None = None

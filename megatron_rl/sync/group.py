@@ -5,6 +5,10 @@ rendezvous at `master_address:master_port` with rank `rank_offset + tp_rank`, th
 in a PrefixStore named after the group. The sender must join the same rendezvous as rank 0 with the
 same prefix; it does not need (or touch) the trainer's default process group, so a Megatron rank
 can own such a group next to its own world.
+
+The rendezvous is the sender's: its store listens on `address`, the sender's node address
+(control/node.py; 127.0.0.1 on one host), on a socket bound before the port is told to SGLang, so
+the servers' workers on other nodes can reach it and no other process can take the port meanwhile.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
 from megatron_rl.rollout.client import SGLangClient
 
@@ -29,10 +33,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _join(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
+def bind_listener(addr: str) -> socket.socket:
+    """A listening TCP socket on `addr` with a port the OS picked: holding it from the pick until
+    the rendezvous store adopts it (`listening_store`) leaves no window for another process to take
+    the port, and binding the node's own address keeps the store off the wildcard address."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((addr, 0))
+    sock.listen(128)
+    return sock
+
+
+def listening_store(listener: socket.socket, world_size: int, timeout):
+    """The rendezvous TCPStore server on `listener` (its address and port), instead of torch's
+    default of listening on every interface; the other members join it as TCPStore clients."""
+    addr, port = listener.getsockname()[:2]
+    fd = listener.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=fd,
+                         wait_for_workers=False)
+
+
+def _join(backend: str, listener: socket.socket, world_size: int, rank: int, group_name: str,
           timeout: timedelta) -> dist.ProcessGroup:
-    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = listening_store(listener, world_size, timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -43,7 +66,8 @@ def open_update_group(client: SGLangClient, group_name: str, tp_size: int = 1, b
                       address: str = "127.0.0.1", timeout_s: float = 300.0) -> dist.ProcessGroup:
     """Create the group on both sides at once (the HTTP call blocks until both joined)."""
     backend = backend or default_backend()
-    port = free_port(address)
+    listener = bind_listener(address)
+    port = listener.getsockname()[1]
     err: list[BaseException] = []
 
     def server_side() -> None:
@@ -55,7 +79,7 @@ def open_update_group(client: SGLangClient, group_name: str, tp_size: int = 1, b
     t = threading.Thread(target=server_side, daemon=True)
     t.start()
     try:
-        pg = _join(backend, address, port, 1 + tp_size, 0, group_name, timedelta(seconds=timeout_s))
+        pg = _join(backend, listener, 1 + tp_size, 0, group_name, timedelta(seconds=timeout_s))
     finally:
         t.join(timeout=timeout_s)
     if err:

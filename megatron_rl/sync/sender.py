@@ -68,7 +68,8 @@ class _Link:
 class WeightSender:
     def __init__(self, sender_rank: int, targets: list[SyncTarget], bucket_mb: float = 256,
                  backend: str | None = None, device: str | torch.device | None = None,
-                 retries: int = 1, broadcast_timeout_s: float = 300.0, group_prefix: str = "mrl"):
+                 retries: int = 1, broadcast_timeout_s: float = 300.0, group_prefix: str = "mrl",
+                 address: str = "127.0.0.1"):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         if not targets:
@@ -80,6 +81,7 @@ class WeightSender:
         self.retries = retries
         self.timeout_s = broadcast_timeout_s
         self.group_prefix = group_prefix
+        self.address = address  # this sender's node address: the update groups rendezvous here
         self._links: list[_Link] = []
         self.retarget(targets)
 
@@ -103,7 +105,7 @@ class WeightSender:
         for link in self._links:
             if link.pg is None:
                 link.pg = open_update_group(link.client, link.group_name, link.target.tp_size, self.backend,
-                                            timeout_s=self.timeout_s)
+                                            address=self.address, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         for link in self._links:

@@ -8,10 +8,12 @@ Policies (why, in short):
 - a one-element set/list matches its element; a column/row matrix matches a tuple of its entries;
 - percent: ``50\\%`` ~ ``50`` ~ ``0.5`` (when only one side has the sign, either reading is accepted);
 - degrees: ``30^\\circ`` ~ ``30`` ~ ``\\pi/6`` (same rule: either reading);
+- numbers: exact (math.py has the rules); ``rounds_to`` is the one tolerance, for decimal references;
 - text answers compare case- and space-insensitively; choice letters compare by letter.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -56,22 +58,28 @@ def _scales(mine: Flags, other: Flags) -> list:
     return out
 
 
+MIN_ROUNDING_SIG = 4  # a decimal reference with fewer significant digits is taken as exact
+
+
+def rounds_to(value: Fraction, ref: Scalar) -> bool:
+    """Whether ``value``, written to the last place of the decimal reference ``ref``, gives ``ref``
+    (rounded to nearest, or truncated toward zero: 0.6667 and 0.6666 both stand for 2/3).
+
+    Only a decimal *reference* with >= 4 significant digits is read as a rounded value: the
+    problem's author wrote an approximation, so any prediction that rounds to it answers it.
+    A decimal prediction against an exact reference gets no such reading (see math.py)."""
+    if ref.decimals is None or ref.number is None or ref.sig_digits < MIN_ROUNDING_SIG:
+        return False
+    unit = Fraction(10) ** -ref.decimals  # one unit in the reference's last written place
+    scaled, target = value / unit, ref.number / unit  # target is an integer
+    return target == math.trunc(scaled) or abs(scaled - target) <= Fraction(1, 2)
+
+
 def _fast_numbers(a: Scalar, b: Scalar) -> bool | None:
-    """Exact answer for two rational literals when the rounding rule cannot apply, else None."""
+    """Two rational literals: decided exactly, without SymPy; None when either is not one."""
     if a.number is None or b.number is None:
         return None
-    if a.number == b.number:
-        return True
-    # two decimals or a decimal vs a terminating exact value: no rounding tolerance applies
-    return False if _terminates(a.number) and _terminates(b.number) else None
-
-
-def _terminates(q: Fraction) -> bool:
-    d = q.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    return d == 1
+    return a.number == b.number or rounds_to(a.number, b)
 
 
 def scalars_equal(a: Scalar, b: Scalar, fa: Flags, fb: Flags) -> bool:

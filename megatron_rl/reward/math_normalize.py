@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatron_rl.reward.math_extract import _match_brace
+import numpy as np
+
+from megatron_rl.reward.math_extract import _match_brace, pair_braces
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,29 @@ def _unwrap_text(s: str) -> str:
     return s
 
 
+def strip_group_braces(s: str) -> str:
+    """``{42}`` -> ``42``, ``{{x+1}}`` -> ``x+1``, ``{\\frac{1}{2}}`` -> ``\\frac{1}{2}``: braces that
+    enclose the whole answer group nothing (the LaTeX parser would read ``{42}`` as the set {42}).
+
+    Braces with a meaning are kept: ``\\{1,2\\}`` (escaped: a set), ``{1}{2}`` or ``\\frac{a}{b}``
+    (the first brace closes before the end), ``{}`` (the empty set). Linear: braces are paired
+    once (math_extract.pair_braces), then peeled from both ends."""
+    if not s.startswith("{"):
+        return s
+    close = pair_braces(np.frombuffer(s.encode("utf-32-le", "surrogatepass"), dtype=np.uint32))
+    lo, hi = 0, len(s)  # s[lo:hi] is the current answer, stripped
+    while hi - lo >= 2 and s[lo] == "{" and close[lo] == hi - 1:
+        inner_lo, inner_hi = lo + 1, hi - 1
+        while inner_lo < inner_hi and s[inner_lo].isspace():
+            inner_lo += 1
+        while inner_hi > inner_lo and s[inner_hi - 1].isspace():
+            inner_hi -= 1
+        if inner_lo == inner_hi:
+            break  # "{}" / "{ }": the empty set, not an empty group
+        lo, hi = inner_lo, inner_hi
+    return s[lo:hi]
+
+
 def _repeating_to_frac(m: re.Match) -> str:
     """``0.1\\overline{6}`` -> ``\\frac{1}{6}`` (exact value of a repeating decimal)."""
     whole, fixed, rep = m.group(1) or "0", m.group(2), m.group(3)
@@ -128,6 +153,7 @@ def normalize(answer: str) -> Normalized:
             s = s.replace(k, v)
     s = s.replace("\\$", " ").replace("$", " ")
     s = s.replace("\\(", " ").replace("\\)", " ").replace("\\[", " ").replace("\\]", " ")
+    s = strip_group_braces(s.strip())
     s = _SIZING.sub("", s)
     s = _STYLE.sub("", s)
     s = _THOUSANDS_BRACED.sub("", s)
@@ -170,5 +196,5 @@ def normalize(answer: str) -> Normalized:
     if _THOUSANDS_WHOLE.match(s):
         s = s.replace(",", "")
     s = _THOUSANDS_SPACE.sub(lambda m: m.group(0).replace(" ", ""), s)
-    s = re.sub(r"\s+", " ", s).strip()
+    s = strip_group_braces(re.sub(r"\s+", " ", s).strip())  # again: units or "$" may have hidden some
     return Normalized(s, percent=percent, degrees=degrees)

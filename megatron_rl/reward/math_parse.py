@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megatron_rl.reward.math_normalize import Normalized
+from megatron_rl.reward.math_normalize import Normalized, strip_group_braces
 
 _OPEN = "([{"
 _CLOSE = ")]}"
@@ -19,9 +19,12 @@ _CLOSE = ")]}"
 @dataclass(frozen=True)
 class Scalar:
     source: str  # normalised LaTeX of one expression
-    number: Fraction | None = None  # set when the source is a plain rational literal
-    decimals: int | None = None  # places after the point when the source is a decimal literal
-    sig_digits: int = 0  # significant digits of a decimal literal
+    number: Fraction | None = None  # set when the source is a plain rational literal (exact value)
+    # Set when the source is a decimal literal (``3.1416``, ``6.02 \times 10^{23}``, ``1e3``): the
+    # power of ten of its last written digit, negated (3.1416: 4; 6.02e23: -21). Such a reference may
+    # stand for a rounded value (math_compare.rounds_to); its exact value is still ``number``.
+    decimals: int | None = None
+    sig_digits: int = 0  # significant digits written in a decimal literal
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class Equation:
 
 
 _NUMBER = re.compile(r"^([+-]?)(\d+)(?:\.(\d*))?$|^([+-]?)\.(\d+)$")
+# normalize() writes 1e3 / 1.5E-3 as "1\\times 10^{3}"; people write \\cdot too
+_SCIENTIFIC = re.compile(r"^([+-]?)(\d+)(?:\.(\d*))?\s*\\(?:times|cdot)\s*10\s*\^\s*(?:\{\s*([+-]?\d+)\s*\}|(\d))$")
+_MAX_DIGITS = 4000  # longer literals go to the (time-limited) general path
 _SIMPLE_FRAC = re.compile(r"^([+-]?)\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}$|^([+-]?\d+)\s*/\s*([+-]?\d+)$")
 _CHOICE = re.compile(r"^\(\s*([A-Za-z])\s*\)(?:\s.*)?$|^([A-Z])[.):]?$|^\\?(?:text)?\{?\(?([A-Z])\)?\}?$")
 _WORDS = re.compile(r"^[A-Za-z][A-Za-z' \-]*[A-Za-z]$")
@@ -69,14 +75,29 @@ _MATH_WORDS = {
 _MATRIX = re.compile(r"^\\begin\{([pbvBV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}$", re.S)
 
 
+def _scientific(s: str) -> Scalar | None:
+    m = _SCIENTIFIC.match(s)
+    if m is None:
+        return None
+    sign, whole, frac, exp = m.group(1), m.group(2), m.group(3) or "", int(m.group(4) or m.group(5))
+    if len(whole) + len(frac) > _MAX_DIGITS or abs(exp) > _MAX_DIGITS:
+        return None
+    value = Fraction(int(whole + frac)) * Fraction(10) ** (exp - len(frac))
+    digits = (whole + frac).lstrip("0")
+    return Scalar(s, -value if sign == "-" else value, decimals=len(frac) - exp, sig_digits=len(digits))
+
+
 def _number(s: str) -> Scalar | None:
+    sci = _scientific(s)
+    if sci is not None:
+        return sci
     m = _NUMBER.match(s)
     if m:
         if m.group(2) is not None:
             sign, whole, frac = m.group(1), m.group(2), m.group(3)
         else:
             sign, whole, frac = m.group(4), "0", m.group(5)
-        if len(whole) + len(frac or "") > 4000:
+        if len(whole) + len(frac or "") > _MAX_DIGITS:
             return None  # leave absurd literals to the (time-limited) general path
         value = Fraction(int(whole + (frac or "")), 10 ** len(frac or ""))
         value = -value if sign == "-" else value
@@ -90,7 +111,7 @@ def _number(s: str) -> Scalar | None:
             sign, num, den = m.group(1), int(m.group(2)), int(m.group(3))
         else:
             sign, num, den = "", int(m.group(4)), int(m.group(5))
-        if den == 0 or max(abs(num), abs(den)) > 10**4000:
+        if den == 0 or max(abs(num), abs(den)) > 10**_MAX_DIGITS:
             return None
         value = Fraction(num, den)
         return Scalar(s, -value if sign == "-" else value)
@@ -167,7 +188,7 @@ def _expand_pm(s: str) -> Seq | None:
 
 def parse_text(s: str) -> object:
     """Structure of a normalised answer string (see module doc)."""
-    s = s.strip()
+    s = strip_group_braces(s.strip())  # an item may be braced too: (\{1\}, {2})
     if s in ("\\emptyset", "\\varnothing", "\\{\\}", "\\{ \\}", "{}"):
         return Seq("set", ())
     num = _number(s)

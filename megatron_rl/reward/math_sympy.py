@@ -1,10 +1,19 @@
-"""Scalar comparison with SymPy: LaTeX -> SymPy (latex2sympy2_extended), then exact, numeric and
-symbolic checks. Runs only inside the time-limited workers (math_pool): parsing or simplifying
-hostile input (``10^{10^{10}}``, ``(10^9)!``) may take unbounded time here.
+"""Scalar comparison with SymPy: LaTeX -> SymPy (latex2sympy2_extended), then exact checks. Runs
+only inside the time-limited workers (math_pool): parsing or simplifying hostile input
+(``10^{10^{10}}``, ``(10^9)!``) may take unbounded time here.
 
-Numeric policy (documented in math.py): exact values must agree to ~1e-10 relative; a decimal
-literal with >= 4 significant digits also matches an exact non-terminating value it rounds or
-truncates to (0.3333 ~ 1/3, 1.414 ~ sqrt 2, 3.142 ~ pi; but 3.14 != pi, 0.33 != 1/3).
+Exactness (the policy is documented in math.py):
+- a decimal literal is the exact rational its digits spell (``0.75\\pi`` = ``3\\pi/4``): the parser's
+  Floats are replaced by Rationals before anything is compared, so no float rounding enters;
+- two constants are equal when their difference is exactly zero: SymPy's exact arithmetic (big
+  integers such as ``2^{64}-1``, ``100!``, ``\\binom{100}{50}`` stay integers), then ``simplify``
+  and ``equals``. A 30-digit evaluation only ever *separates* values (a relative gap above 1e-20
+  is real at that precision); it never makes two values equal. A difference SymPy can neither
+  prove zero nor separate is zero only if it is below 1e-100 (relative) at 120 digits;
+- expressions with symbols: exact comparison at random rational points, then ``simplify``;
+- the one tolerance: a decimal *reference* with >= 4 significant digits matches a value that
+  rounds or truncates to it (math_compare.rounds_to): ``\\pi`` answers ``3.1416``, but
+  ``3.1416`` does not answer ``\\pi``.
 """
 from __future__ import annotations
 
@@ -17,14 +26,15 @@ import sympy
 from latex2sympy2_extended import latex2sympy
 from latex2sympy2_extended.math_normalization import NormalizationConfig
 
+from megatron_rl.reward.math_compare import rounds_to
 from megatron_rl.reward.math_parse import Scalar
 
 _NO_NORMALISATION = NormalizationConfig(basic_latex=False, units=False, malformed_operators=False,
                                         nits=False, boxed="none", equations=False)
-_PREC = 30
-_EXACT_RTOL = sympy.Float("1e-10", _PREC)
-_FLOAT_RTOL = sympy.Float("1e-6", _PREC)
-_MIN_ROUNDING_SIG = 4
+_PREC = 30  # digits of the evaluation that separates values
+_SEPARATED = sympy.Float("1e-20", _PREC)  # a relative gap this large at _PREC digits is real
+_ZERO_DIGITS, _ZERO_BELOW = 120, sympy.Float("1e-100", 5)  # last resort for an unprovable difference
+_HUGE = sympy.Float("1e1000", 5)  # beyond this, do not expand values exactly (10^{10^{10}})
 _N_POINTS = 5
 _I = sympy.Symbol("i")
 
@@ -42,6 +52,10 @@ def to_sympy(source: str) -> sympy.Basic:
         raise Unparseable(f"cannot parse {source[:80]!r}: {exc}") from None
     if isinstance(expr, sympy.Basic) and expr.has(sympy.UnevaluatedExpr):  # \gcd, \operatorname{lcm}
         expr = expr.replace(lambda e: isinstance(e, sympy.UnevaluatedExpr), lambda e: e.args[0])
+    if isinstance(expr, sympy.Basic):
+        floats = expr.atoms(sympy.Float)
+        if floats:  # a Float here is a decimal literal (the parse is unevaluated): its exact value
+            expr = expr.xreplace({f: sympy.Rational(str(f)) for f in floats})
     return expr
 
 
@@ -56,34 +70,9 @@ def scalar_expr(x: Scalar) -> sympy.Basic:
     return to_sympy(x.source)
 
 
-def _is_inexact(x: Scalar, expr: sympy.Basic) -> bool:
-    return x.decimals is not None or bool(expr.atoms(sympy.Float))
-
-
-def _rounds_to(decimal: Scalar, value: sympy.Basic) -> bool:
-    """Whether the decimal literal is ``value`` rounded or truncated to the literal's places."""
-    if decimal.sig_digits < _MIN_ROUNDING_SIG or decimal.number is None:
-        return False
-    if not (value.is_real and value.is_finite):
-        return False
-    places = decimal.decimals or 0
-    digits = _PREC + 10
-    v = sympy.N(value, digits)
-    scaled = Fraction(str(sympy.N(v * 10**places, digits)))
-    target = decimal.number * 10**places
-    lo = Fraction(int(scaled // 1))
-    return target in (lo, lo + 1) and abs(target - scaled) < 1
-
-
-def _close(a: sympy.Basic, b: sympy.Basic, rtol: sympy.Float) -> bool:
-    diff = abs(a - b)
-    scale = max(abs(a), abs(b), sympy.Float(1e-30, _PREC))
-    return bool(diff <= rtol * scale) or bool(diff < sympy.Float("1e-25", _PREC))
-
-
-def _numeric(expr: sympy.Basic) -> sympy.Basic | None:
+def _numeric(expr: sympy.Basic, digits: int = _PREC) -> sympy.Basic | None:
     try:
-        v = sympy.N(expr, _PREC)
+        v = sympy.N(expr, digits)
     except Exception:
         return None
     return v if v.is_number else None
@@ -93,24 +82,78 @@ def _finite(v: sympy.Basic) -> bool:
     return v.is_finite is True or (v.is_number and v.is_finite is not False and not v.has(sympy.zoo, sympy.oo, sympy.nan))
 
 
+def _approx_fraction(expr: sympy.Basic, decimals: int) -> Fraction | None:
+    """A rational within 1e-30 (relative) of a real ``expr``, precise past ``decimals`` places."""
+    v = _numeric(expr)
+    if v is None or not v.is_real or not _finite(v):
+        return None
+    magnitude = 0 if v == 0 else max(0, int(sympy.log(abs(v), 10).evalf(5)) + 1)
+    v = _numeric(expr, max(_PREC, decimals + magnitude + 30))
+    return None if v is None else Fraction(str(v))
+
+
+def compare_constants(ex: sympy.Basic, ey: sympy.Basic) -> bool | None:
+    """Exact verdict on two constants where a cheap one exists: True / False, None: undecided
+    (numerically indistinguishable at _PREC digits, not yet proven equal), or not finite."""
+    diff = ex - ey
+    if diff == 0:
+        return True
+    if diff.is_Rational:
+        return False  # an exact non-zero difference: 2^{64}-1 vs 2^{64}
+    vx, vy = _numeric(ex), _numeric(ey)
+    if vx is None or vy is None or not (_finite(vx) and _finite(vy)):
+        return None
+    scale = max(abs(vx), abs(vy))
+    if abs(vx - vy) > _SEPARATED * scale:
+        return False  # a gap the 30-digit evaluation cannot have made up
+    if scale < _HUGE:  # expand unevaluated parts (factorials, powers) into exact numbers
+        try:
+            diff = ex.doit() - ey.doit()
+        except Exception:
+            return None
+        if diff == 0:
+            return True
+        if diff.is_Rational:
+            return False
+    return None
+
+
+def _proven_zero(diff: sympy.Basic) -> bool | None:
+    """simplify, then equals: True / False when SymPy can tell, else None."""
+    try:
+        if sympy.simplify(diff) == 0:
+            return True
+    except Exception:
+        pass
+    try:
+        verdict = diff.equals(0)
+    except Exception:
+        return None
+    return None if verdict is None else bool(verdict)
+
+
+def _negligible(diff: sympy.Basic, scale: sympy.Basic) -> bool:
+    v = _numeric(diff, _ZERO_DIGITS)
+    return v is not None and _finite(v) and bool(abs(v) <= _ZERO_BELOW * max(abs(scale), 1))
+
+
 def constants_equal(x: Scalar, ex: sympy.Basic, y: Scalar, ey: sympy.Basic) -> bool:
-    """Equality of two expressions without free symbols."""
+    """Equality of two expressions without free symbols (x is the prediction, y the reference)."""
+    if y.decimals is not None and y.number is not None:  # a decimal reference may be a rounded value
+        approx = _approx_fraction(ex, y.decimals)
+        if approx is not None and rounds_to(approx, y):
+            return True
+    verdict = compare_constants(ex, ey)
+    if verdict is not None:
+        return verdict
     vx, vy = _numeric(ex), _numeric(ey)
     if vx is None or vy is None:
         return False
     if not (_finite(vx) and _finite(vy)):
-        return vx == vy and not vx.has(sympy.nan)
-    x_inexact, y_inexact = _is_inexact(x, ex), _is_inexact(y, ey)
-    if x.decimals is not None and not y_inexact and _rounds_to(x, ey):
-        return True
-    if y.decimals is not None and not x_inexact and _rounds_to(y, ex):
-        return True
-    rtol = _FLOAT_RTOL if (x_inexact and y_inexact and x.decimals is None and y.decimals is None) else _EXACT_RTOL
-    if x_inexact and not y_inexact and x.decimals is None:
-        rtol = _FLOAT_RTOL  # a float that came from a computation (1.5 \times 10^{3})
-    if y_inexact and not x_inexact and y.decimals is None:
-        rtol = _FLOAT_RTOL
-    return _close(vx, vy, rtol)
+        return vx == vy and not vx.has(sympy.nan)  # oo = oo, -oo != oo
+    diff = ex - ey
+    proven = _proven_zero(diff)
+    return proven if proven is not None else _negligible(diff, vx)
 
 
 def _random_points(symbols, seed: str, n: int):
@@ -119,24 +162,26 @@ def _random_points(symbols, seed: str, n: int):
         yield {s: sympy.Rational(rng.randint(1, 10**6), 10**6) * 2 + sympy.Rational(1, 7) for s in symbols}
 
 
-def functions_equal(ex: sympy.Basic, ey: sympy.Basic, inexact: bool) -> bool:
-    """Equality of expressions with free symbols: random-point evaluation, then simplify."""
+def functions_equal(ex: sympy.Basic, ey: sympy.Basic) -> bool:
+    """Equality of expressions with free symbols: exact values at random rational points (a
+    non-zero rational function vanishes at 5 random points with negligible probability), then
+    simplify; points SymPy cannot decide exactly must agree to 1e-100 at 120 digits."""
     symbols = sorted(ex.free_symbols | ey.free_symbols, key=str)
-    rtol = _FLOAT_RTOL if inexact else _EXACT_RTOL
-    agreed = 0
+    undecided = []
     for point in _random_points(symbols, f"{ex}|{ey}", _N_POINTS):
-        vx, vy = _numeric(ex.subs(point)), _numeric(ey.subs(point))
-        if vx is None or vy is None or not (_finite(vx) and _finite(vy)):
-            continue
-        if not _close(vx, vy, rtol):
+        vx, vy = ex.subs(point), ey.subs(point)
+        verdict = compare_constants(vx, vy)
+        if verdict is False:
             return False
-        agreed += 1
-    if agreed >= 3:
+        if verdict is None:
+            undecided.append((vx, vy))
+    if not undecided:
         return True
-    try:
-        return sympy.simplify(ex - ey) == 0
-    except Exception:
-        return False
+    proven = _proven_zero(ex - ey)
+    if proven is not None:
+        return proven
+    finite = [(vx, vy) for vx, vy in undecided if (v := _numeric(vx)) is not None and _finite(v)]
+    return len(finite) >= 3 and all(_negligible(vx - vy, _numeric(vx)) for vx, vy in finite)
 
 
 def _relational_equal(ex: sympy.Basic, ey: sympy.Basic) -> bool:
@@ -172,7 +217,7 @@ def sympy_equal(x: Scalar, y: Scalar, scale_x=1, scale_y=1) -> bool:
         if scale_y != 1:
             y = dataclasses.replace(y, decimals=None, sig_digits=0)
         return constants_equal(x, ex, y, ey)
-    return functions_equal(ex, ey, _is_inexact(x, ex) or _is_inexact(y, ey))
+    return functions_equal(ex, ey)
 
 
 def equations_proportional(lhs_a: str, rhs_a: str, lhs_b: str, rhs_b: str) -> bool:

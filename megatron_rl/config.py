@@ -82,6 +82,7 @@ class RewardConfig:
     language_check: bool = True
     language_window_letters: int = 60  # letters per window of the language check (CJK char = 4); longer clauses are judged in sliding windows, so a mid-sentence switch is caught
     math_timeout_s: float = 5.0
+    math_backend: Literal["sympy", "math_verify"] = "sympy"  # math answer checker: sympy (exact rules of docs/reward.md) or math_verify (HF math-verify); same workers and math_timeout_s
     code_compile_timeout_s: float = 10.0
     code_test_timeout_s: float = 4.0
     code_max_tests: int = 20

@@ -30,12 +30,11 @@ _CODE_LIMITS = {
 
 
 def _grade_math(task: MathTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
-    from megatron_rl.reward.math import extract_answer, math_equal
+    from megatron_rl.reward.math import check_response
 
-    prediction = extract_answer(fmt.answer)
-    if prediction is None:
-        return False, {"prediction": None}
-    return bool(math_equal(prediction, task.answer, timeout=cfg.math_timeout_s)), {"prediction": prediction}
+    # the scan for the last box runs in the math worker too, inside the same time limit
+    res = check_response(fmt.answer, task.answer, timeout=cfg.math_timeout_s, backend=cfg.math_backend)
+    return res.equal, {"prediction": res.prediction, "math_status": res.status}
 
 
 def code_limits(cfg: RewardConfig, run_tests) -> dict[str, Any]:

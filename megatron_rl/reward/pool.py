@@ -59,6 +59,12 @@ def _worker_main(conn, fn: GradeFn, config: RewardConfig) -> None:
         _get_model()
     except Exception:  # grading will raise the real error item by item
         pass
+    try:  # and the math checker (SymPy / math-verify imported, its workers forked from here)
+        from megatron_rl.reward.math import warm_up
+
+        warm_up(config.math_backend)
+    except Exception:
+        pass
     conn.send(("ready", os.getpid()))
     while True:
         try:

@@ -83,7 +83,7 @@ class PreparedMinibatch:
 def minibatch_advantages(seqs: Sequence[TrainSequence], algo: AlgoConfig,
                          values: Sequence[float] | None = None) -> list[float]:
     """Per-sequence advantages (`values`, else each sequence's own) after the minibatch normalisation
-    the config asks for."""
+    the config asks for. Host-side (CPU) on purpose: the values go back to Python floats for packing."""
     adv = torch.tensor([s.advantage for s in seqs] if values is None else list(values), dtype=torch.float64)
     if algo.adv_norm != "minibatch":  # `group` is done by the controller when grouping; `none` is none
         return adv.tolist()

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from megatron_rl.rollout.client import SGLangClient
 
@@ -53,9 +53,14 @@ def listening_store(listener: socket.socket, world_size: int, timeout):
                          wait_for_workers=False)
 
 
-def _join(backend: str, listener: socket.socket, world_size: int, rank: int, group_name: str,
-          timeout: timedelta) -> dist.ProcessGroup:
-    store = listening_store(listener, world_size, timeout)
+def _join(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
+          timeout: timedelta, listener: socket.socket | None = None) -> dist.ProcessGroup:
+    """Join the group at `address:port`; with `listener` (bound there), serve its store on it."""
+    if listener is not None:
+        store = listening_store(listener, world_size, timeout)
+    else:  # a plain tcp:// rendezvous (benchmarks/weight_sync.py plays both sides this way)
+        store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -79,7 +84,8 @@ def open_update_group(client: SGLangClient, group_name: str, tp_size: int = 1, b
     t = threading.Thread(target=server_side, daemon=True)
     t.start()
     try:
-        pg = _join(backend, listener, 1 + tp_size, 0, group_name, timedelta(seconds=timeout_s))
+        pg = _join(backend, address, port, 1 + tp_size, 0, group_name, timedelta(seconds=timeout_s),
+                   listener)
     finally:
         t.join(timeout=timeout_s)
     if err:

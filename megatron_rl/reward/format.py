@@ -14,6 +14,7 @@ Policy (decided here, tested in tests/unit/test_reward_format.py):
 """
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -27,8 +28,13 @@ LANGUAGE_TAGS = {
     "python": "python", "py": "python", "python3": "python",
     "cpp": "cpp", "c++": "cpp", "cc": "cpp", "cxx": "cpp",
 }
-# Opening fence at a line start with an optional tag, body, closing fence on its own line.
-_FENCE = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n]*\n(.*?)\n[ \t]*```[ \t]*$", re.M | re.S)
+# A fenced block: an opening fence line (optional tag) ending in a newline, the body, then the first
+# closing fence line (only ``` and spaces/tabs) that starts at least two lines below the opening one,
+# i.e. after the newline that ends the body. Found from a list of fence lines, not by a lazy regex:
+# a lazy body rescans the rest of the text for every unclosed opening (quadratic).
+_FENCE_LINE = re.compile(r"^[ \t]*```[^\n]*", re.M)
+_OPENING = re.compile(r"[ \t]*```[ \t]*([^\s`]*)")
+_CLOSING_LINE = re.compile(r"^[ \t]*```[ \t]*$", re.M)
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,20 @@ def has_nonempty_box(text: str) -> bool:
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
     """(normalised language or raw tag, code) of every closed fenced block, in order."""
-    blocks = []
-    for m in _FENCE.finditer(text):
-        tag = m.group(1).strip().lower()
-        blocks.append((LANGUAGE_TAGS.get(tag, tag), m.group(2)))
+    starts = [m.start() for m in _FENCE_LINE.finditer(text)]
+    closing = [m.start() for m in _CLOSING_LINE.finditer(text)]
+    blocks, i = [], 0
+    while i < len(starts):
+        start = starts[i]
+        end = text.find("\n", start)  # the opening line must end in a newline
+        if end < 0:
+            break
+        k = bisect.bisect_left(closing, end + 2)  # the body's final newline comes first
+        if k == len(closing):
+            break  # no closing line below this opening, so none below any later one either
+        tag = _OPENING.match(text, start).group(1).lower()
+        blocks.append((LANGUAGE_TAGS.get(tag, tag), text[end + 1:closing[k] - 1]))
+        i = bisect.bisect_left(starts, closing[k] + 1)  # next fence line after the closing one
     return blocks
 
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import random
+import re
+import time
 
 import pytest
 
-from megatron_rl.reward.format import boxed_contents, check_format, fenced_blocks, split_think
+from megatron_rl.reward.format import LANGUAGE_TAGS, boxed_contents, check_format, fenced_blocks, split_think
 from megatron_rl.reward.types import parse_task
 
 MATH = parse_task({"kind": "math", "answer": "3"})
@@ -103,3 +105,23 @@ def test_last_matching_block_is_the_program_and_thought_blocks_do_not_count():
 def test_split_think_returns_reason_string():
     assert split_think("<think>a</think>b") == ("a", "b")
     assert isinstance(split_think("no tags"), str)
+
+
+_FENCE_SPEC = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n]*\n(.*?)\n[ \t]*```[ \t]*$", re.M | re.S)
+
+
+def test_fenced_blocks_follow_the_lazy_regex_spec_in_linear_time():
+    """The spec is the lazy regex (quadratic on unclosed fences); fenced_blocks must agree with it."""
+    def spec(text):
+        return [(LANGUAGE_TAGS.get(m.group(1).lower(), m.group(1).lower()), m.group(2))
+                for m in _FENCE_SPEC.finditer(text)]
+
+    rng = random.Random(2)
+    atoms = ["```", "```python", "```py x", " ```", "\t```\t", "````", "\n", "\n", "x", " ", "```cpp", "`", "\r"]
+    for _ in range(3000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 16)))
+        assert fenced_blocks(text) == spec(text), repr(text)
+    hostile = "```python\nprint(1)\n" * 80000  # ~1.5 MB of fences that never close
+    t = time.perf_counter()
+    assert fenced_blocks(hostile) == [] and not check_format(PY, "<think>t</think>\n" + hostile).ok
+    assert time.perf_counter() - t < 2.0

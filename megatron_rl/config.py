@@ -7,22 +7,18 @@ so a typo never silently falls back to a default. Defaults are Magistral's recip
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from megatron_rl.config_tree import ConfigError, apply_override, build, check
+from megatron_rl.length_stages import LengthStage, check_length_penalty, length_stages, parse_length_entry
 
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or an invalid value."""
-
-
-def _check(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {msg}")
+__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "GeneratorConfig", "LengthStage", "RewardConfig",
+           "RolloutConfig", "RunConfig", "TrainerConfig", "check_length_penalty", "config_from_dict", "dump_config",
+           "length_stages", "load_config", "load_config_args", "parse_length_entry"]
 
 
 @dataclass
@@ -55,14 +51,14 @@ class AlgoConfig:
     pass_at_k: int | None = None
 
     def validate(self, key: str) -> None:
-        _check(0.0 <= self.eps_low < 1.0, f"{key}.eps_low", "must lie in [0, 1)")
-        _check(self.eps_high >= 0.0, f"{key}.eps_high", "must be >= 0")
-        _check(self.kl_coef >= 0.0, f"{key}.kl_coef", "must be >= 0")
-        _check(self.kl_mode != "none" or self.kl_coef == 0, f"{key}.kl_coef",
+        check(0.0 <= self.eps_low < 1.0, f"{key}.eps_low", "must lie in [0, 1)")
+        check(self.eps_high >= 0.0, f"{key}.eps_high", "must be >= 0")
+        check(self.kl_coef >= 0.0, f"{key}.kl_coef", "must be >= 0")
+        check(self.kl_mode != "none" or self.kl_coef == 0, f"{key}.kl_coef",
                "has no effect with kl_mode: none (choose k2 or reward)")
-        _check(self.kl_ref_refresh_every >= 0, f"{key}.kl_ref_refresh_every", "must be >= 0 (0 = never)")
-        _check(self.tis_cap is None or self.tis_cap >= 1.0, f"{key}.tis_cap", "must be >= 1 or null")
-        _check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
+        check(self.kl_ref_refresh_every >= 0, f"{key}.kl_ref_refresh_every", "must be >= 0 (0 = never)")
+        check(self.tis_cap is None or self.tis_cap >= 1.0, f"{key}.tis_cap", "must be >= 1 or null")
+        check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
 
 
 @dataclass
@@ -94,21 +90,21 @@ class RewardConfig:
     regrade_attempts: int = 1  # times a sample whose grading failed is graded again before its group is dropped
 
     def validate(self, key: str) -> None:
-        _check(self.l_max is None or self.l_max > 0, f"{key}.l_max", "must be > 0 or null (= the generation cap)")
-        _check(self.l_cache >= 0, f"{key}.l_cache", "must be >= 0")
-        _check(self.l_max is None or self.l_cache <= self.l_max, f"{key}.l_cache", "must lie in [0, l_max]")
+        check(self.l_max is None or self.l_max > 0, f"{key}.l_max", "must be > 0 or null (= the generation cap)")
+        check(self.l_cache >= 0, f"{key}.l_cache", "must be >= 0")
+        check(self.l_max is None or self.l_cache <= self.l_max, f"{key}.l_cache", "must lie in [0, l_max]")
         for name in ("format_reward", "correct_reward", "overlong_penalty", "language_reward"):
-            _check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
+            check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
         for name in ("math_timeout_s", "code_compile_timeout_s", "code_test_timeout_s",
                      "verifier_item_timeout_s"):
-            _check(getattr(self, name) > 0, f"{key}.{name}", "must be > 0")
-        _check(1 <= self.code_max_tests, f"{key}.code_max_tests", "must be >= 1")
-        _check(self.code_memory_mb >= 16, f"{key}.code_memory_mb", "must be >= 16")
-        _check(self.verifier_workers >= 1, f"{key}.verifier_workers", "must be >= 1")
-        _check(self.verifier_ranks >= 0, f"{key}.verifier_ranks", "must be >= 0")
-        _check(self.language_window_letters >= 10, f"{key}.language_window_letters",
+            check(getattr(self, name) > 0, f"{key}.{name}", "must be > 0")
+        check(1 <= self.code_max_tests, f"{key}.code_max_tests", "must be >= 1")
+        check(self.code_memory_mb >= 16, f"{key}.code_memory_mb", "must be >= 16")
+        check(self.verifier_workers >= 1, f"{key}.verifier_workers", "must be >= 1")
+        check(self.verifier_ranks >= 0, f"{key}.verifier_ranks", "must be >= 0")
+        check(self.language_window_letters >= 10, f"{key}.language_window_letters",
                "must be >= 10 (shorter windows cannot be classified)")
-        _check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
+        check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
 
 
 @dataclass
@@ -138,102 +134,18 @@ class RolloutConfig:
     length_schedule: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
-        _check(self.group_size >= 2, f"{key}.group_size", "must be >= 2 (advantages are group-centred)")
-        _check(self.n_batch >= 1, f"{key}.n_batch", "must be >= 1")
-        _check(1 <= self.n_mini <= self.n_batch, f"{key}.n_mini", "must lie in [1, n_batch]")
-        _check(self.n_batch % self.n_mini == 0, f"{key}.n_mini",
+        check(self.group_size >= 2, f"{key}.group_size", "must be >= 2 (advantages are group-centred)")
+        check(self.n_batch >= 1, f"{key}.n_batch", "must be >= 1")
+        check(1 <= self.n_mini <= self.n_batch, f"{key}.n_mini", "must lie in [1, n_batch]")
+        check(self.n_batch % self.n_mini == 0, f"{key}.n_mini",
                f"must divide n_batch ({self.n_batch})")
-        _check(self.n_async >= self.group_size, f"{key}.n_async", "must be >= group_size")
-        _check(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
-        _check(self.temperature > 0, f"{key}.temperature", "must be > 0")
-        _check(0 < self.top_p <= 1, f"{key}.top_p", "must lie in (0, 1]")
-        _check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
+        check(self.n_async >= self.group_size, f"{key}.n_async", "must be >= group_size")
+        check(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
+        check(self.temperature > 0, f"{key}.temperature", "must be > 0")
+        check(0 < self.top_p <= 1, f"{key}.top_p", "must lie in (0, 1]")
+        check(self.max_staleness >= 0, f"{key}.max_staleness", "must be >= 0")
         # entry syntax and distinct starts (the windows are checked against reward by Config.validate)
         length_stages(self.length_schedule, self.max_new_tokens, RewardConfig(), key)
-
-
-@dataclass(frozen=True)
-class LengthStage:
-    """One resolved stage of rollout.length_schedule: from update `start` on, requests get
-    `max_new_tokens` and their rollouts are graded with the overlong window (`l_max`, `l_cache`)."""
-
-    start: int
-    max_new_tokens: int
-    l_max: int
-    l_cache: int
-
-
-def parse_length_entry(entry: str) -> tuple[int, int, int | None, int | None]:
-    """"UPDATE:TOKENS[:L_MAX:L_CACHE]" -> (update, tokens, l_max | None, l_cache | None); ValueError if bad."""
-    parts = entry.split(":") if isinstance(entry, str) else []
-    if len(parts) not in (2, 4) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"expected UPDATE:TOKENS or UPDATE:TOKENS:L_MAX:L_CACHE (integers >= 0), got {entry!r}")
-    update, tokens, *window = (int(p) for p in parts)
-    if tokens < 1:
-        raise ValueError(f"TOKENS must be >= 1, got {entry!r}")
-    if not window:
-        return update, tokens, None, None
-    l_max, l_cache = window
-    if l_max < 1:
-        raise ValueError(f"L_MAX must be >= 1, got {entry!r}")
-    if l_cache > l_max:
-        raise ValueError(f"L_CACHE ({l_cache}) must not exceed L_MAX ({l_max}) in {entry!r}")
-    return update, tokens, l_max, l_cache
-
-
-def _length_stages_with_keys(entries: list[str], max_new_tokens: int, reward: RewardConfig,
-                             key: str) -> list[tuple[str, LengthStage, bool]]:
-    """(config key, stage, window inherited from reward) per stage, sorted by start."""
-    raw: dict[int, tuple[str, int, int | None, int | None]] = {}
-    for i, entry in enumerate(entries):
-        k = f"{key}.length_schedule[{i}]"
-        try:
-            start, tokens, l_max, l_cache = parse_length_entry(entry)
-        except ValueError as e:
-            raise ConfigError(f"{k}: {e}") from None
-        _check(start not in raw, k, f"a stage already starts at update {start}")
-        raw[start] = (k, tokens, l_max, l_cache)
-    if 0 not in raw:  # before the first stage: the plain cap
-        raw[0] = (f"{key}.max_new_tokens", max_new_tokens, None, None)
-    out = []
-    for start in sorted(raw):
-        k, tokens, l_max, l_cache = raw[start]
-        inherited = l_max is None
-        if inherited:
-            l_max = tokens if reward.l_max is None else reward.l_max
-            l_cache = min(reward.l_cache, l_max)
-        out.append((k, LengthStage(start, tokens, l_max, l_cache), inherited))  # type: ignore[arg-type]
-    return out
-
-
-def length_stages(entries: list[str], max_new_tokens: int, reward: RewardConfig,
-                  key: str = "rollout") -> list[LengthStage]:
-    """Resolve a length schedule (see RolloutConfig.length_schedule) into stages sorted by start;
-    the first starts at update 0. Raises ConfigError naming the entry on a malformed one."""
-    return [stage for _, stage, _ in _length_stages_with_keys(entries, max_new_tokens, reward, key)]
-
-
-def check_length_penalty(rollout: RolloutConfig, reward: RewardConfig) -> None:
-    """Each stage's cap must end inside its penalty ramp (l_max - l_cache < cap <= l_max): the cap and
-    the penalty agree. Skipped without a schedule and with a fixed reward.l_max (the plain setting of
-    both keys is the user's), and when the penalty is 0."""
-    if reward.overlong_penalty == 0 or (not rollout.length_schedule and reward.l_max is not None):
-        return
-    for k, s, inherited in _length_stages_with_keys(rollout.length_schedule, rollout.max_new_tokens, reward,
-                                                    "rollout"):
-        window = (f"reward.l_max={reward.l_max}, reward.l_cache={reward.l_cache}" if inherited and
-                  reward.l_max is not None else f"l_max={s.l_max}, l_cache={s.l_cache}")
-        fix = ("set reward.l_max: null (the window follows each stage's cap) or give the stage its own "
-               "UPDATE:TOKENS:L_MAX:L_CACHE")
-        if s.l_max - s.l_cache >= s.max_new_tokens:
-            where = "reward.l_cache" if inherited and reward.l_max is None else k
-            raise ConfigError(f"{where}: the stage from update {s.start} caps generation at {s.max_new_tokens} "
-                              f"tokens but its overlong penalty ({window}) starts after {s.l_max - s.l_cache} "
-                              f"tokens, so it never applies; {fix}")
-        _check(s.max_new_tokens <= s.l_max, k,
-               f"the stage from update {s.start} caps generation at {s.max_new_tokens} tokens but its overlong "
-               f"penalty ({window}) ends at {s.l_max}: every answer longer than that gets the full penalty; "
-               f"{fix}")
 
 
 @dataclass
@@ -254,12 +166,12 @@ class GeneratorConfig:
     extra_args: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
-        _check(self.num_generators >= 1, f"{key}.num_generators", "must be >= 1")
-        _check(1024 <= self.port_base <= 65000, f"{key}.port_base", "must lie in [1024, 65000]")
-        _check(self.max_total_tokens >= 256, f"{key}.max_total_tokens", "must be >= 256")
-        _check(self.bucket_mb >= 1, f"{key}.bucket_mb", "must be >= 1")
-        _check(self.prefix_cache_max_staleness >= 0, f"{key}.prefix_cache_max_staleness", "must be >= 0")
-        _check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+        check(self.num_generators >= 1, f"{key}.num_generators", "must be >= 1")
+        check(1024 <= self.port_base <= 65000, f"{key}.port_base", "must lie in [1024, 65000]")
+        check(self.max_total_tokens >= 256, f"{key}.max_total_tokens", "must be >= 256")
+        check(self.bucket_mb >= 1, f"{key}.bucket_mb", "must be >= 1")
+        check(self.prefix_cache_max_staleness >= 0, f"{key}.prefix_cache_max_staleness", "must be >= 0")
+        check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                f"{key}.mem_fraction_static", "must lie in (0, 1) or be null")
 
 
@@ -291,15 +203,15 @@ class TrainerConfig:
 
     def validate(self, key: str) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-            _check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
-        _check(self.virtual_pipeline is None or self.virtual_pipeline >= 1, f"{key}.virtual_pipeline",
+            check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
+        check(self.virtual_pipeline is None or self.virtual_pipeline >= 1, f"{key}.virtual_pipeline",
                "must be >= 1 or null")
-        _check(self.lr > 0, f"{key}.lr", "must be > 0")
-        _check(self.grad_clip >= 0, f"{key}.grad_clip", "must be >= 0 (0 disables clipping)")
-        _check(self.micro_batch_tokens >= 16, f"{key}.micro_batch_tokens", "must be >= 16")
-        _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{key}.adam_beta1",
+        check(self.lr > 0, f"{key}.lr", "must be > 0")
+        check(self.grad_clip >= 0, f"{key}.grad_clip", "must be >= 0 (0 disables clipping)")
+        check(self.micro_batch_tokens >= 16, f"{key}.micro_batch_tokens", "must be >= 16")
+        check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{key}.adam_beta1",
                "Adam betas must lie in [0, 1)")
-        _check(self.checkpoint_optimizer in ("fully_reshardable", "dp_reshardable"),
+        check(self.checkpoint_optimizer in ("fully_reshardable", "dp_reshardable"),
                f"{key}.checkpoint_optimizer", "must be fully_reshardable or dp_reshardable")
 
 
@@ -317,11 +229,11 @@ class DataConfig:
     drop_solved_above: float | None = None
 
     def validate(self, key: str) -> None:
-        _check(self.source in ("reasoning_gym", "jsonl", "humaneval", "champ"), f"{key}.source",
+        check(self.source in ("reasoning_gym", "jsonl", "humaneval", "champ"), f"{key}.source",
                "must be one of reasoning_gym, jsonl, humaneval, champ")
-        _check(self.source != "jsonl" or bool(self.path), f"{key}.path", "required when source is jsonl")
-        _check(self.size >= 1, f"{key}.size", "must be >= 1")
-        _check(self.drop_solved_above is None or 0 < self.drop_solved_above <= 1,
+        check(self.source != "jsonl" or bool(self.path), f"{key}.path", "required when source is jsonl")
+        check(self.size >= 1, f"{key}.size", "must be >= 1")
+        check(self.drop_solved_above is None or 0 < self.drop_solved_above <= 1,
                f"{key}.drop_solved_above", "must lie in (0, 1] or be null")
 
 
@@ -341,9 +253,9 @@ class RunConfig:
     resume: Literal["fresh", "auto", "require"] = "fresh"
 
     def validate(self, key: str) -> None:
-        _check(self.updates >= 1, f"{key}.updates", "must be >= 1")
-        _check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0 (0 = only at the end)")
-        _check(self.log_every >= 1, f"{key}.log_every", "must be >= 1")
+        check(self.updates >= 1, f"{key}.updates", "must be >= 1")
+        check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0 (0 = only at the end)")
+        check(self.log_every >= 1, f"{key}.log_every", "must be >= 1")
 
 
 @dataclass
@@ -361,7 +273,7 @@ class Config:
             getattr(self, f.name).validate(f.name)
         check_length_penalty(self.rollout, self.reward)  # checks across sections
         if self.rollout.stale_policy == "reweight":
-            _check(self.algo.proximal == "trainer" and self.algo.tis_cap is not None, "rollout.stale_policy",
+            check(self.algo.proximal == "trainer" and self.algo.tis_cap is not None, "rollout.stale_policy",
                    "reweight trains stale samples with truncated importance weights: it needs algo.proximal: "
                    "trainer and algo.tis_cap set")
 
@@ -369,103 +281,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------- building from plain data
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Check `value` against a (resolved) type annotation; ints are accepted where floats are."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        _check(value in typing.get_args(annotation), key,
-               f"must be one of {list(typing.get_args(annotation))}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(annotation)
-        if value is None:
-            _check(type(None) in args, key, "must not be null")
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
-    if origin is list:
-        _check(isinstance(value, list), key, f"must be a list, got {type(value).__name__}")
-        (item,) = typing.get_args(annotation)
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(annotation):
-        return _build(annotation, value, key)
-    if annotation is bool:
-        _check(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        return value
-    if annotation is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads `3e-6` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _check(ok, key, f"must be a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        _check(isinstance(value, str), key, f"must be a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported annotation {annotation!r}")
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix or "config"
-    _check(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(names))})")
-        kwargs[k] = _coerce(v, hints[k], key)
-    return cls(**kwargs)
-
-
-def _apply_override(tree: dict, override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(f"override {override!r}: expected dotted.key=value")
-    dotted, raw = (part.strip() for part in override.split("=", 1))
-    parts = dotted.split(".")
-    cls: Any = Config
-    node = tree
-    for depth, name in enumerate(parts):
-        key = ".".join(parts[:depth + 1])
-        if not dataclasses.is_dataclass(cls):
-            raise ConfigError(f"{key}: {'.'.join(parts[:depth])} is not a section")
-        hints = typing.get_type_hints(cls)
-        if name not in hints:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(hints))})")
-        cls = hints[name]
-        if depth < len(parts) - 1:
-            node = node.setdefault(name, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{key}: must be a mapping")
-    if dataclasses.is_dataclass(cls):
-        raise ConfigError(f"{dotted}: is a section; override one of its keys")
-    try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{dotted}: cannot parse value {raw!r}: {e}") from None
-
-
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     tree = dict(data or {})
     tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
     for ov in overrides:
-        _apply_override(tree, ov)
-    cfg = _build(Config, tree, "")
+        apply_override(Config, tree, ov)
+    cfg = build(Config, tree, "")
     cfg.validate()
     return cfg
 

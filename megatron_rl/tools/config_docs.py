@@ -26,7 +26,7 @@ def _comments(cls) -> dict[str, str]:
             pending.append(s.lstrip("# ").strip())
             continue
         m = re.match(r"(\w+)\s*:\s*[^=]+=\s*.*?(?:#\s*(.*))?$", s)
-        if m and not s.startswith(("def ", "return", "_check")):
+        if m and not s.startswith(("def ", "return", "check(")):
             text = m.group(2) or " ".join(pending)
             out[m.group(1)] = text.strip()
         pending = [] if not s.startswith("#") else pending

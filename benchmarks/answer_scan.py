@@ -115,6 +115,7 @@ SHAPES = {
     "unbalanced }": lambda n: _repeat("}", n, "\\boxed{3}") + _repeat("}\\boxed{", n // 4),
     "escaped \\{ in one box": lambda n: "\\boxed{" + _repeat("\\{", n) + "}",
     "brace-less chain \\boxed\\boxed..": lambda n: _repeat("\\boxed", n, "{9}"),
+    "many brace-less \\boxed 5": lambda n: _repeat("\\boxed 5. ", n),
 }
 
 

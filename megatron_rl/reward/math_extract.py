@@ -20,7 +20,6 @@ import numpy as np
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _OPEN, _CLOSE, _BACKSLASH, _DOLLAR = ord("{"), ord("}"), ord("\\"), ord("$")
-_ARG_SPACE = np.array([ord(" "), ord("\t"), ord("\n")], dtype=np.uint32)
 # code points for which str.isspace() holds (all lie below U+3001): the strip() of the old scan
 _ISSPACE = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
 
@@ -176,21 +175,12 @@ class BoxScan:
             where = np.flatnonzero(inside)[wide]
             letter[wide] = [text[i].isalpha() for i in arg[where].tolist()]
         alpha[inside] = letter & (arg[inside] == self.start[inside] + self.length[inside])
-        self._is_space, self._punct = is_space, None
-
-    def _token_end(self, t: int) -> tuple[int, int] | None:
-        """(content hi, end) of brace-less command t read to the end of the text; None: not a box."""
-        arg, end = int(self.arg[t]), int(self.stop[t])
-        if arg >= self.n or self.alpha[t]:
-            return None  # no argument, or "\\boxedfoo" (another command)
-        hi = int(self._rstrip(np.array([end]), np.array([arg]))[0])
-        return (hi, end) if hi > arg else None
+        self._punct = (codes == ord(".")) | (codes == ord(",")) | (codes == ord(";")) if m else None
+        # brace-less token read to the end of the text: its content ends at token_hi (.,; dropped)
+        self.token_hi = self._rstrip(self.stop, arg) if m else np.zeros(0, np.int64)
 
     def _rstrip(self, end: np.ndarray, floor: np.ndarray) -> np.ndarray:
         """1 + the last index < end whose character is not one of ``.,;`` (at least floor)."""
-        if self._punct is None:
-            c = self._codes
-            self._punct = (c == ord(".")) | (c == ord(",")) | (c == ord(";"))
         return _back(self._punct, end, floor)
 
     def outermost(self) -> list[tuple[int, int, int]]:
@@ -199,6 +189,9 @@ class BoxScan:
         out, resume, braceless = [], 0, self.braceless
         start, braced, close = self.start.tolist(), self.braced.tolist(), self.close.tolist()
         lo, hi = self.lo.tolist(), self.hi.tolist()
+        if braceless:  # a brace-less box: an argument, no letter right after the name, a token left
+            bare = ((self.arg < self.n) & ~self.alpha & (self.token_hi > self.arg)).tolist()
+            arg, token_hi, stop = self.arg.tolist(), self.token_hi.tolist(), self.stop.tolist()
         for t, s in enumerate(start):
             if s < resume:
                 continue  # inside the previous box
@@ -206,11 +199,9 @@ class BoxScan:
                 if close[t] >= 0:
                     out.append((t, lo[t], hi[t]))
                     resume = close[t] + 1
-            elif braceless:
-                token = self._token_end(t)
-                if token is not None:
-                    out.append((t, int(self.arg[t]), token[0]))
-                    resume = token[1]
+            elif braceless and bare[t]:
+                out.append((t, arg[t], token_hi[t]))
+                resume = stop[t]
         return out
 
     def unwrap(self, t0: int, lo: int, hi: int) -> tuple[int, int]:

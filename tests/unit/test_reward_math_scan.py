@@ -133,13 +133,17 @@ def _shapes(size: int) -> dict[str, str]:
         "fbox": rep("\\fbox{", "\\fbox{7}"),
         "unbalanced": rep("}", "\\boxed{3}") + rep("}\\boxed{")[: size // 4],
         "brace-less chain": rep("\\boxed", "{9}"),
+        "many brace-less": rep("\\boxed 5. "),
     }
 
 
+# the gate asks for \\boxed{...}: \\fbox and brace-less boxes do not pass it
 GATE = {"unclosed": False, "nested": True, "deep braces": True, "deep unclosed": True, "many boxes": True,
-        "fbox": False, "unbalanced": True, "brace-less chain": True}  # \fbox does not pass the gate
+        "fbox": False, "unbalanced": True, "brace-less chain": True,
+        "many brace-less": False}
 EXPECTED = {"unclosed": None, "nested": "42", "deep unclosed": "1", "many boxes": "12", "fbox": "7",
-            "unbalanced": "", "brace-less chain": "9"}
+            "unbalanced": "", "brace-less chain": "9",
+            "many brace-less": "5"}
 
 
 @pytest.mark.parametrize("name", list(_shapes(64)))

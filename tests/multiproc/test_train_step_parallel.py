@@ -28,8 +28,13 @@ HF_NAMES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
             "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
 
 
+# The off-policy/KL update checked across layouts: trainer-side proximal and reference passes, the
+# per-sequence KL summed over DP ranks and broadcast from the last stage, leave-one-out group baselines.
+KL_ALGO = {"kl_mode": "reward", "kl_coef": 0.5, "proximal": "trainer", "tis_cap": 2.0}
+
+
 def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
-            micro_batch_tokens: int = 24):
+            micro_batch_tokens: int = 24, algo: dict | None = None):
     from megatron_rl.config import config_from_dict
 
     return config_from_dict({
@@ -38,7 +43,7 @@ def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | No
                     "data_parallel": dp, "virtual_pipeline": vpp,
                     # per-rank optimizer shards: the optimizer reloads only where just DP changed
                     "checkpoint_optimizer": "dp_reshardable"},
-        "algo": {"eps_low": 0.2, "eps_high": 0.28}})
+        "algo": {"eps_low": 0.2, "eps_high": 0.28, **(algo or {})}})
 
 
 def _odd_vocab_model(root: Path) -> str:
@@ -102,8 +107,12 @@ def worker(root: Path) -> None:
         trainer.train_on(Batch(train_seqs, n_mini=n_mini, policy_version=1))
         after = trainer.evaluate(seqs)
         trainer.save(root / f"{name}_ckpt", extra={"layout": name})
+        destroy_parallel()
+        kl_trainer = Trainer(_config(spec[model], tp, pp, dp, vpp, mbt, algo=KL_ALGO))
+        kl_trainer.train_on(Batch(train_seqs, n_mini=n_mini, policy_version=0))
+        kl_after = kl_trainer.evaluate(seqs)
         torch.save({"metrics": out.metrics, "grad_norm": float(grad_norm), "ok": ok, "grads": grads,
-                    "after": after, "n_micro_batches": out.n_micro_batches},
+                    "after": after, "kl_after": kl_after, "n_micro_batches": out.n_micro_batches},
                    root / f"{name}.rank{dist.get_rank()}.pt")
         destroy_parallel()
     print("WORKER OK", flush=True)
@@ -118,18 +127,22 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
     from unit.test_train_step import hf_model, make_minibatch, reference
 
     models = {"model_dir": str(tiny_llama_dir), "model4_dir": _odd_vocab_model(tmp_path / "tiny4")}
-    refs, seq_sets = {}, {}
+    refs, seq_sets, train_seq_sets = {}, {}, {}
     for key, path in models.items():
         hf = hf_model(path)
         seqs = make_minibatch(hf, n=6, seed=0)  # token ids drawn from the whole (odd) vocab
-        train_seqs = make_minibatch(hf, n=4, seed=3)
+        # two groups of two: each sample's leave-one-out KL baseline may sit on another DP rank
+        train_seqs = [dataclasses.replace(s, group_id=f"g{i % 2}") for i, s in
+                      enumerate(make_minibatch(hf, n=4, seed=3))]
         refs[key] = reference(hf, seqs)
         seq_sets[key] = seqs
+        train_seq_sets[key] = train_seqs
         (tmp_path / f"seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in seqs]))
         (tmp_path / f"train_seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in train_seqs]))
     (tmp_path / "spec.json").write_text(json.dumps(models))
     run_two_ranks(__file__, tmp_path)
 
+    from megatron_rl.records import Batch
     from megatron_rl.train.trainer import Trainer
 
     tp1 = {}
@@ -168,6 +181,19 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
         mine = reader.evaluate(seq_sets[model])
         for key in ("loss", "entropy", "ratio_mean", "logprob_mean"):
             assert mine[key] == pytest.approx(ranks[0]["after"][key], rel=1e-5, abs=1e-6), (name, key)
+        # the KL-in-reward + decoupled update equals the same update in one process
+        if ("kl", model, n_mini) not in tp1:
+            single = Trainer(_config(models[model], algo=KL_ALGO))
+            single.train_on(Batch(train_seq_sets[model], n_mini=n_mini, policy_version=0))
+            tp1[("kl", model, n_mini)] = single.evaluate(seq_sets[model])
+        want = tp1[("kl", model, n_mini)]
+        assert abs(want["kl"]) > 1e-4  # the update moved the policy away from its reference
+        for r in ranks:
+            for key in ("loss", "logprob_mean", "is_weight_mean", "ratio_mean"):
+                assert r["kl_after"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (name, key)
+            # kl is a small difference of float32 logprob sums of magnitude ~250 per sequence set:
+            # their rounding (~1e-5 each) bounds the agreement, not a relative 1e-4 of the small KL
+            assert r["kl_after"]["kl"] == pytest.approx(want["kl"], abs=1e-4), name
 
 
 if __name__ == "__main__":

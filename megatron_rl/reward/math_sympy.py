@@ -88,8 +88,13 @@ def _approx_fraction(expr: sympy.Basic, decimals: int) -> Fraction | None:
     if v is None or not v.is_real or not _finite(v):
         return None
     magnitude = 0 if v == 0 else max(0, int(sympy.log(abs(v), 10).evalf(5)) + 1)
+    if magnitude > 10_000:
+        return None  # no decimal reference (<= 4000 digits, exponent <= 4000) is that large
     v = _numeric(expr, max(_PREC, decimals + magnitude + 30))
-    return None if v is None else Fraction(str(v))
+    try:
+        return None if v is None else Fraction(str(v))
+    except ValueError:  # a printed form Fraction does not read: no rounding verdict
+        return None
 
 
 def compare_constants(ex: sympy.Basic, ey: sympy.Basic) -> bool | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 from types import SimpleNamespace
 
 from megatron_rl.control.protocol import Tag
@@ -27,3 +28,19 @@ class CharTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return SimpleNamespace(input_ids=[ord(c) % 251 for c in text])
+
+
+def grade_until(ctrl, comm: PickleComm, pool, settled) -> None:
+    """Run the controller's grading until `settled()` (its own poll with `pool` None, else a verifier
+    rank serving `pool`: the body of grading.verifier_loop for each GRADE message, minus MPI)."""
+    from megatron_rl.control.grading import _grade
+
+    deadline = time.time() + 120
+    while not settled():
+        assert time.time() < deadline, "grading did not finish"
+        if pool is None:
+            ctrl._collect_grades()
+            time.sleep(0.05)
+        else:
+            for dest, items in comm.take(Tag.GRADE):
+                ctrl._dispatch(dest, Tag.GRADED, pickle.loads(pickle.dumps(_grade(pool, items))))

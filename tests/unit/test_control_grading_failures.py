@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -18,13 +17,13 @@ import pytest
 from megatron_rl.config import AlgoConfig, RolloutConfig, config_from_dict
 from megatron_rl.control.budget import RolloutBudget
 from megatron_rl.control.controller import Controller, RunFailed
-from megatron_rl.control.grading import GradingLedger, _grade
+from megatron_rl.control.grading import GradingLedger
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, UpdateWindow, read_jsonl
 from megatron_rl.control.protocol import GradeItem, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout
 from megatron_rl.reward import VerifierPool, score
-from support.control import CharTokenizer, PickleComm
+from support.control import CharTokenizer, PickleComm, grade_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -76,18 +75,6 @@ def _generate(ctrl: Controller, comm: PickleComm, text_for) -> list[Rollout]:
                                     "stop", text=text_for(problem, s.sample_index)))
     ctrl._on_rollouts(GEN_RANK, RolloutsReport(rollouts, 0.0, 0.0))
     return rollouts
-
-
-def _grade_until_settled(ctrl: Controller, comm: PickleComm, pool: VerifierPool | None) -> None:
-    deadline = time.time() + 120
-    while ctrl.ledger.pending:
-        assert time.time() < deadline, "grading did not finish"
-        if pool is None:
-            ctrl._collect_grades()
-            time.sleep(0.05)
-        else:  # the body of grading.verifier_loop for each GRADE message, minus MPI
-            for dest, items in comm.take(Tag.GRADE):
-                ctrl._dispatch(dest, Tag.GRADED, pickle.loads(pickle.dumps(_grade(pool, items))))
 
 
 def _metrics_row(ctrl: Controller, tmp_path) -> dict:
@@ -170,7 +157,7 @@ def test_unavailable_sandbox_drops_the_group_and_only_graded_samples_are_trained
         text = {("code", 0): CODE_RIGHT, ("code", 1): CODE_RIGHT, ("math", 0): MATH_RIGHT, ("math", 1): MATH_WRONG}
         rollouts = _generate(ctrl, comm, lambda p, i: text[(p.problem_id, i)])
         assert sorted(r.problem_id.split("#")[0] for r in rollouts) == ["code", "code", "math", "math"]
-        _grade_until_settled(ctrl, comm, None)
+        grade_until(ctrl, comm, None, lambda: not ctrl.ledger.pending)
 
         code_group = next(r.problem_id for r in rollouts if r.problem_id.startswith("code"))
         math_group = next(r.problem_id for r in rollouts if r.problem_id.startswith("math"))
@@ -201,7 +188,7 @@ def test_run_fails_when_no_sample_can_be_graded(tmp_path, refusing_bwrap):
     try:
         _generate(ctrl, comm, lambda p, i: CODE_RIGHT)
         with pytest.raises(RunFailed, match="4 samples in a row .*sandbox_unavailable: .*No permissions"):
-            _grade_until_settled(ctrl, comm, None)
+            grade_until(ctrl, comm, None, lambda: not ctrl.ledger.pending)
         assert not ctrl.budget.ready
     finally:
         ctrl.shutdown()
@@ -223,7 +210,7 @@ def test_verifier_rank_timeout_and_grader_error_are_regraded_then_dropped(tmp_pa
                 else MATH_RIGHT.replace("four.", "four. HANG")
 
         rollouts = _generate(ctrl, comm, text_for)
-        _grade_until_settled(ctrl, comm, pool)
+        grade_until(ctrl, comm, pool, lambda: not ctrl.ledger.pending)
         flaky_group = next(r.problem_id for r in rollouts if "FLAKY" in r.text)
         hang_group = next(r.problem_id for r in rollouts if "HANG" in r.text)
         assert [r.reward is None for r in rollouts if r.problem_id == hang_group] == [True, False]  # no fake 0

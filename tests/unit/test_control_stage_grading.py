@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import time
 from fractions import Fraction
 
 import pytest
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
-from megatron_rl.control.grading import _grade
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from megatron_rl.control.protocol import GenerateRequest, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout
 from megatron_rl.reward import VerifierPool
-from support.control import CharTokenizer, PickleComm
+from support.control import CharTokenizer, PickleComm, grade_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -68,19 +65,6 @@ def _generate(request: GenerateRequest, lengths: list[int]) -> RolloutsReport:
     return RolloutsReport(rollouts, 0.0, 0.0)
 
 
-def _grade_all(ctrl: Controller, comm: PickleComm, pool: VerifierPool | None, keys) -> None:
-    """Run grading until the given samples are graded (the controller's own poll or a verifier rank)."""
-    deadline = time.time() + 120
-    while any(k in ctrl.ledger.pending for k in keys):
-        assert time.time() < deadline, "grading did not finish"
-        if pool is None:
-            ctrl._collect_grades()
-            time.sleep(0.05)
-        else:  # the body of grading.verifier_loop for each GRADE message, minus MPI
-            for dest, items in comm.take(Tag.GRADE):
-                ctrl._dispatch(dest, Tag.GRADED, pickle.loads(pickle.dumps(_grade(pool, items))))
-
-
 @pytest.mark.parametrize("verifiers", [0, 1], ids=["controller_pool", "verifier_rank"])
 def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
     ctrl, comm = _controller(tmp_path, verifiers)
@@ -95,7 +79,7 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
         report = _generate(request_a, [30, 40])
         keys = [(r.problem_id, r.sample_index) for r in report.rollouts]
         ctrl._on_rollouts(GEN_RANK, report)
-        _grade_all(ctrl, comm, pool, keys)
+        grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.ledger.pending for k in keys))
         graded_a = report.rollouts  # the controller updated these records in place
         for r, n in zip(graded_a, [30, 40]):
             assert (r.max_new_tokens, r.l_max, r.l_cache) == (40, 40, 16)
@@ -116,7 +100,8 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
         assert request_b.sampling["max_new_tokens"] == 80
         report = _generate(request_b, [30, 70])
         ctrl._on_rollouts(GEN_RANK, report)
-        _grade_all(ctrl, comm, pool, [(r.problem_id, r.sample_index) for r in report.rollouts])
+        keys = [(r.problem_id, r.sample_index) for r in report.rollouts]
+        grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.ledger.pending for k in keys))
         for r, n in zip(report.rollouts, [30, 70]):
             assert (r.max_new_tokens, r.l_max, r.l_cache) == (80, 80, 20)
             assert r.reward_components["length_penalty"] == pytest.approx(closed_form(n, 80, 20), abs=1e-12)

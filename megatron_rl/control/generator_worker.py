@@ -21,19 +21,20 @@ def _status(gen: Generator) -> GeneratorStatus:
 
 
 def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
-                   poll_s: float = 0.01) -> None:
+                   gpus: tuple[int, ...] = (), poll_s: float = 0.01) -> None:
     """`host`: this rank's node address; the server listens there and the controller and trainers
-    reach it there (its URL travels in GeneratorStatus)."""
+    reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus)."""
     from mpi4py import MPI
 
     g = cfg.generator
     spec = ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), tp_size=g.tp_size,
-                      host=host)
+                      host=host, gpu_ids=gpus)
     gen = Generator(SGLangServer(spec), cfg.rollout, g, generator_id=index)
     rank = comm.Get_rank()
     try:
+        _check_gpus(gpus, rank)
         gen.start()
     except Exception as e:
         comm.send(WorkerFailure("generator", rank, f"SGLang server failed to start: {e}"), dest=0, tag=Tag.FAILED)
@@ -85,6 +86,16 @@ def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path,
         _wait_for_stop(comm)
     finally:
         gen.close()
+
+
+def _check_gpus(gpus: tuple[int, ...], rank: int) -> None:
+    from megatron_rl.control.node import check_gpus_exist
+    from megatron_rl.platform import has_cuda
+
+    if gpus and has_cuda():
+        import torch
+
+        check_gpus_exist(gpus, torch.cuda.device_count(), rank, "generator")
 
 
 def _with_live_server(gen: Generator, action, retry: bool = True) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.layout import RankLayout
-from megatron_rl.control.node import NodeEnvError, gather_nodes
+from megatron_rl.control.node import NodeEnvError, assign_gpus, gather_nodes
 from megatron_rl.sync.group import bind_listener
 
 
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     listener = bind_listener(nodes[lead].addr) if rank == lead else None
     master_port = comm.bcast(listener.getsockname()[1] if listener else None, root=lead)
     role = layout.role(rank)
+    gpus = assign_gpus([layout.role(r) for r in range(layout.world_size)], nodes, cfg.generator.tp_size)[rank]
     if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if role == "trainer":
         from megatron_rl.control.trainer_worker import TrainerPlace, trainer_loop
 
-        place = TrainerPlace(layout.trainer_ranks.index(rank), layout.trainers, nodes[rank].local_rank,
+        place = TrainerPlace(layout.trainer_ranks.index(rank), layout.trainers, gpus[0],
                              nodes[rank].addr, nodes[lead].addr, master_port)
         trainer_loop(comm, cfg, place, setup["resume_root"], listener)
     elif role == "generator":
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         index = layout.generator_ranks.index(rank)
         generator_loop(comm, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index],
-                       nodes[rank].addr)
+                       nodes[rank].addr, gpus)
     else:
         from megatron_rl.control.grading import verifier_loop
 

@@ -13,9 +13,13 @@ pure, so every rank computes the same answer from the same list and no broadcast
   `OMPI_COMM_WORLD_LOCAL_RANK` (Open MPI), else the rank's position among the ranks of its node in
   rank order (placement.py's definition, what srun would give).
 
-Who uses what: the trainers rendezvous on the first trainer's address (MASTER_ADDR) and select their
-CUDA device by local rank; each SGLang server listens on its node's address; a weight-update group
-rendezvouses on its sender's (a trainer's) address.
+Who uses what: the trainers rendezvous on the first trainer's address (MASTER_ADDR); each SGLang server
+listens on its node's address; a weight-update group rendezvouses on its sender's (a trainer's) address.
+
+GPUs (`assign_gpus`): on each node, the ranks that own GPUs take them in local-rank order, a trainer
+one, a generator `generator.tp_size` consecutive ones; the controller and verifiers take none. That
+is placement.py's rule, so a job launched with `megatron-rl plan`'s hostfile gets exactly the GPUs the
+plan printed. The local rank itself is not a GPU id: the controller is local rank 0 on node 0.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import os
 import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
+
+from megatron_rl.control.layout import Role
 
 ADDR_VAR = "MEGATRON_RL_NODE_ADDR"
 LOCAL_RANK_VAR = "MEGATRON_RL_LOCAL_RANK"
@@ -125,6 +131,30 @@ def assign_nodes(probes: Sequence[NodeProbe]) -> list[NodeInfo]:
         seen[addr] = position + 1
         nodes.append(NodeInfo(addr, position if p.local_rank is None else p.local_rank))
     return nodes
+
+
+def assign_gpus(roles: Sequence[Role], nodes: Sequence[NodeInfo], generator_tp: int) -> list[tuple[int, ...]]:
+    """Local GPU ids of every rank (empty for the controller and verifiers); pure, so every rank
+    computes the same map."""
+    wants = {"trainer": 1, "generator": generator_tp}
+    gpus: list[tuple[int, ...]] = [() for _ in roles]
+    next_free: dict[str, int] = {}
+    for rank in sorted(range(len(roles)), key=lambda r: (nodes[r].addr, nodes[r].local_rank, r)):
+        n = wants.get(roles[rank], 0)
+        if n:
+            first = next_free.get(nodes[rank].addr, 0)
+            gpus[rank] = tuple(range(first, first + n))
+            next_free[nodes[rank].addr] = first + n
+    return gpus
+
+
+def check_gpus_exist(gpus: Sequence[int], visible: int, rank: int, role: str) -> None:
+    """NodeEnvError when this rank was given GPU ids its node does not have (a launch that did not
+    follow the plan's hostfile puts too many GPU ranks on one node)."""
+    missing = [g for g in gpus if g >= visible]
+    if missing:
+        raise NodeEnvError(f"rank {rank} ({role}) needs GPU {missing[0]} but its node shows {visible}; launch "
+                           f"with the hostfile of `megatron-rl plan` (one host per rank, in rank order)")
 
 
 def gather_nodes(comm) -> list[NodeInfo]:

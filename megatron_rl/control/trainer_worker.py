@@ -24,14 +24,14 @@ class TrainerPlace:
 
     rank: int  # among the trainers
     world: int
-    local_rank: int  # on its node: the CUDA device it takes
+    gpu: int  # local id of the CUDA device it takes (node.assign_gpus); LOCAL_RANK for libraries that read it
     node_addr: str  # its node's address: weight-update groups it sends on rendezvous here
     master_addr: str  # the first trainer's node address
     master_port: int
 
 
 def _setup_dist_env(place: TrainerPlace) -> None:
-    os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world), LOCAL_RANK=str(place.local_rank),
+    os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world), LOCAL_RANK=str(place.gpu),
                       MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
 
 
@@ -41,11 +41,13 @@ def _init_default_group(place: TrainerPlace, listener) -> None:
     every interface); init_parallel then finds the group made and only builds Megatron's groups."""
     import torch
 
+    from megatron_rl.control.node import check_gpus_exist
     from megatron_rl.sync.group import listening_store
     from megatron_rl.train.parallel import default_backend
 
     if torch.cuda.is_available():
-        torch.cuda.set_device(place.local_rank)
+        check_gpus_exist([place.gpu], torch.cuda.device_count(), place.rank, "trainer")
+        torch.cuda.set_device(place.gpu)
     timeout = timedelta(minutes=10)
     if listener is not None:
         store = listening_store(listener, place.world, timeout)

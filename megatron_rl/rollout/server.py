@@ -44,6 +44,12 @@ class ServerSpec:
     overlap_schedule: bool = False
     host: str = HOST  # the address to listen on and to be reached at (never a wildcard: see node.py)
     tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
+    gpu_ids: tuple[int, ...] = ()  # its node-local GPUs, consecutive, one per TP rank (--base-gpu-id); () = SGLang's
+
+    def __post_init__(self):
+        ids = tuple(self.gpu_ids)
+        if ids and ids != tuple(range(ids[0], ids[0] + self.tp_size)):
+            raise ValueError(f"a server with tp_size {self.tp_size} needs {self.tp_size} consecutive GPU ids, got {ids}")
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
@@ -53,6 +59,8 @@ class ServerSpec:
                "--log-level", "warning"]
         if not has_cuda():
             cmd += ["--device", "cpu"]
+        elif self.gpu_ids:
+            cmd += ["--base-gpu-id", str(self.gpu_ids[0])]
         if not self.overlap_schedule:
             cmd += ["--disable-overlap-schedule"]
         if self.mem_fraction_static is not None:

@@ -11,6 +11,7 @@ import pytest
 from megatron_rl.cli import main as cli
 from megatron_rl.config import load_config
 from megatron_rl.control.layout import RankLayout
+from megatron_rl.control.node import NodeEnvError, NodeInfo, assign_gpus, check_gpus_exist
 from megatron_rl.control.placement import PlacementError, check_run, default_hosts, notes, place
 from megatron_rl.tools.estimate import Cluster, Shapes, estimate
 
@@ -184,3 +185,36 @@ def test_plan_bad_input_is_one_line_naming_the_cause(tmp_path, capsys):
     # too few nodes: exit 3, the cause on stderr
     assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "1", "--gpus-per-node", "1"]) == 3
     assert "need 2 nodes of 1 GPUs, but 1 were given" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp,pp,dp,gens,gtp,ver,nodes,gpn", LAYOUTS)
+def test_ranks_take_at_run_time_the_gpus_the_plan_printed(tp, pp, dp, gens, gtp, ver, nodes, gpn):
+    """node.assign_gpus (what each rank computes from its node address and local rank when launched
+    with the plan's hostfile) gives every rank the GPUs of the plan's rank map."""
+    cfg = _cfg(tp, pp, dp, gens, gtp, ver)
+    p = place(cfg, [f"10.0.0.{i + 1}" for i in range(nodes)], gpn)
+    nodes_seen = [NodeInfo(r.host, r.local_rank) for r in p.ranks]
+    assert assign_gpus([r.role for r in p.ranks], nodes_seen, gtp) == [r.gpus for r in p.ranks]
+
+
+def test_the_first_trainer_takes_gpu_0_although_the_controller_is_local_rank_0():
+    roles = ["controller", "trainer", "trainer", "generator", "verifier"]
+    nodes_seen = [NodeInfo("127.0.0.1", i) for i in range(5)]
+    assert assign_gpus(roles, nodes_seen, 2) == [(), (0,), (1,), (2, 3), ()]
+
+
+def test_a_rank_given_a_gpu_its_node_lacks_is_named():
+    with pytest.raises(NodeEnvError, match=r"rank 9 \(generator\) needs GPU 8 but its node shows 8"):
+        check_gpus_exist((7, 8), 8, 9, "generator")
+    check_gpus_exist((6, 7), 8, 9, "generator")
+
+
+def test_sglang_gets_its_first_gpu_as_base_gpu_id(monkeypatch):
+    import megatron_rl.rollout.server as server
+
+    monkeypatch.setattr(server, "has_cuda", lambda: True)
+    cmd = server.ServerSpec("m", 30000, tp_size=2, gpu_ids=(4, 5)).command()
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "4" and cmd[cmd.index("--tp-size") + 1] == "2"
+    assert "--base-gpu-id" not in server.ServerSpec("m", 30000).command()
+    with pytest.raises(ValueError, match="consecutive"):
+        server.ServerSpec("m", 30000, tp_size=2, gpu_ids=(4, 6))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_rl.config_file import locate_error, read_config_file
 from megatron_rl.config_tree import ConfigError, apply_override, build, check
 from megatron_rl.length_stages import LengthStage, check_length_penalty, length_stages, parse_length_entry
 
@@ -292,19 +293,15 @@ def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] =
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config (or defaults when `path` is None) and apply dotted overrides."""
-    data: Any = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: invalid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections")
-    return config_from_dict(data, overrides)
+    """Read a YAML config (or defaults when `path` is None) and apply dotted overrides. An error about a
+    value the file set names the file and line (see megatron_rl.config_file)."""
+    if path is None:
+        return config_from_dict({}, overrides)
+    data, key_lines = read_config_file(Path(path))
+    try:
+        return config_from_dict(data, overrides)
+    except ConfigError as e:
+        raise locate_error(e, Path(path), key_lines, list(overrides)) from None
 
 
 def load_config_args(config: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

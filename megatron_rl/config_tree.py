@@ -7,6 +7,7 @@ bool/int/float/str, nested dataclasses); unknown keys and wrong types raise `Con
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -64,7 +65,13 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         check(ok, key, f"must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond the float range
+            raise ConfigError(f"{key}: must be a finite number, got an integer beyond the float range") from None
+        # no float key has a meaning for inf or nan (nan also slips through every range check)
+        check(math.isfinite(number), key, f"must be a finite number, got {value!r}")
+        return number
     if annotation is str:
         check(isinstance(value, str), key, f"must be a string, got {value!r}")
         return value
@@ -110,5 +117,6 @@ def apply_override(root: type, tree: dict, override: str) -> None:
         raise ConfigError(f"{dotted}: is a section; override one of its keys")
     try:
         node[parts[-1]] = yaml.safe_load(raw) if raw else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{dotted}: cannot parse value {raw!r}: {e}") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of more digits than int() takes
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{dotted}: cannot parse value {raw!r}: {problem}") from None

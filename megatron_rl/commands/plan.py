@@ -53,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         shapes = shapes_of(cfg)
     except (ConfigError, ValueError, OSError, TypeError) as err:
-        print(f"plan: {args.config}: {err}", file=sys.stderr)
+        named = str(err).startswith(str(args.config))  # load_config names the file (and line) itself
+        print(f"plan: {err}" if named else f"plan: {args.config}: {err}", file=sys.stderr)
         return 1
 
     causes: list[str] = []

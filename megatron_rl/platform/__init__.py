@@ -31,7 +31,7 @@ def ensure_megatron_cpu() -> list[str]:
     return megatron_cpu.apply()
 
 
-def sglang_cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def sglang_cpu_env(base: dict[str, str] | None = None, tp_size: int = 1) -> dict[str, str]:
     """Environment for launching an SGLang server; CPU additions only when there is no GPU."""
     env = dict(os.environ if base is None else base)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,7 +41,21 @@ def sglang_cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     paths = [str(SGL_KERNEL_STUB_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
+    if tp_size > 1:  # SGLang's CPU engine allows one TP rank per NUMA node unless told which cores each takes
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp_size))
     return env
+
+
+def cpu_threads_bind(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND value splitting this process's cores between `ranks` TP ranks
+    ("0-3|4-7"); with fewer cores than ranks, ranks share cores round-robin."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // ranks)
+    spans = []
+    for i in range(ranks):
+        chunk = cores[(i * per) % len(cores):][:per]
+        spans.append(f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0]))
+    return "|".join(spans)
 
 
 def _module_available(name: str) -> bool:

@@ -107,7 +107,7 @@ class SGLangServer:
             return self
         if self.client.healthy(timeout=1.0):
             raise ServerStartError(f"port {self.spec.port} already serves another SGLang server")
-        env = sglang_cpu_env()
+        env = sglang_cpu_env(tp_size=self.spec.tp_size)
         if self.spec.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.spec.threads)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

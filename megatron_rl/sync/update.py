@@ -40,7 +40,7 @@ class SyncReport:
 
 
 def targets_of(generators: list[Generator]) -> list[SyncTarget]:
-    return [SyncTarget(g.server.url, 1, g.incarnation) for g in generators]
+    return [SyncTarget(g.server.url, g.server.spec.tp_size, g.incarnation) for g in generators]
 
 
 def begin_all(generators: list[Generator], mode: PauseMode | None = None) -> None:

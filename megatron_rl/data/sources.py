@@ -27,35 +27,46 @@ def _validated(problem: Problem, where: str) -> Problem:
     return problem
 
 
+def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of a UTF-8 text file; DataError naming the file and line on a
+    line that is not UTF-8 (read as text, such a byte would escape as a bare UnicodeDecodeError)."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); save the file as UTF-8") from None
+
+
 def read_jsonl(path: str | Path) -> list[Problem]:
     """Lines of {"id"?, "prompt" | "problem", "task" | ("answer" | "tests", "kind"?), "language"?}."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"problem file not found: {path}")
     problems = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: each line must be a JSON object")
-            prompt = row.get("prompt", row.get("problem"))
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise DataError(f"{where}: missing 'prompt' (or 'problem') text")
-            task = row.get("task")
-            if task is None:
-                kind = row.get("kind", "code" if "tests" in row else "math")
-                task = {"kind": kind, "problem": prompt}
-                task.update({k: row[k] for k in ("answer", "tests", "language") if k in row})
-                if kind == "math" and "answer" in task:
-                    task["answer"] = str(task["answer"])
-            problems.append(_validated(Problem(str(row.get("id", f"{path.stem}-{lineno}")), prompt, task,
-                                               row.get("lang")), where))
+    for lineno, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: each line must be a JSON object")
+        prompt = row.get("prompt", row.get("problem"))
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(f"{where}: missing 'prompt' (or 'problem') text")
+        task = row.get("task")
+        if task is None:
+            kind = row.get("kind", "code" if "tests" in row else "math")
+            task = {"kind": kind, "problem": prompt}
+            task.update({k: row[k] for k in ("answer", "tests", "language") if k in row})
+            if kind == "math" and "answer" in task:
+                task["answer"] = str(task["answer"])
+        problems.append(_validated(Problem(str(row.get("id", f"{path.stem}-{lineno}")), prompt, task,
+                                           row.get("lang")), where))
     if not problems:
         raise DataError(f"{path}: no problems")
     return problems

@@ -82,12 +82,13 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    from megatron_rl.data.sources import utf8_lines
+
     rows = []
-    with Path(path).open() as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
+    for lineno, line in utf8_lines(Path(path)):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
     return rows

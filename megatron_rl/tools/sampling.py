@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from megatron_rl.data.sources import utf8_lines
 from megatron_rl.records import Problem
 
 
@@ -37,7 +38,7 @@ class FileSampler:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"samples file not found: {path}")
-        for lineno, line in enumerate(path.open(), 1):
+        for lineno, line in utf8_lines(path):
             if not line.strip():
                 continue
             try:

@@ -130,3 +130,24 @@ def test_the_installed_entry_point_prints_no_traceback(text, fault, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and str(path) in proc.stderr and fault in proc.stderr
+
+
+GOOD_ROW = '{"id": "p1", "prompt": "What is 1+1?", "answer": "2"}\n'
+LATIN1_ROW = b'{"id": "p2", "prompt": "caf\xe9 count?", "answer": "3"}\n'
+
+
+@pytest.mark.parametrize("second_line, words", [(LATIN1_ROW, ("not UTF-8",)),
+                                                 (b'{"id": "p2", "prompt": \n', ("invalid JSON", "expected {"))])
+@pytest.mark.parametrize("command", ["train", "evaluate", "evaluate --samples", "filter format"])
+def test_a_bad_line_of_a_jsonl_file_names_the_file_and_line(command, second_line, words, tmp_path, capsys):
+    sample_row = '{"problem_id": "p1", "response": "2"}\n'
+    first_line = sample_row if command == "evaluate --samples" else GOOD_ROW
+    bad = _write(tmp_path, first_line.encode() + second_line, "bad.jsonl")
+    good = _write(tmp_path, GOOD_ROW, "good.jsonl")
+    samples = _write(tmp_path, sample_row, "samples.jsonl")
+    argv = {"train": ["train", str(_write(tmp_path, f"data:\n  source: jsonl\n  path: {bad}\n"))],
+            "evaluate": ["evaluate", "--source", "jsonl", "--path", str(bad), "--samples", str(samples)],
+            "evaluate --samples": ["evaluate", "--source", "jsonl", "--path", str(good), "--samples", str(bad)],
+            "filter format": ["filter", "format", str(bad), str(tmp_path / "out.jsonl")]}[command]
+    msg = _one_line_error(argv, capsys)
+    assert f"{bad}:2:" in msg and any(w in msg for w in words), msg

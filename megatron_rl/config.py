@@ -199,6 +199,10 @@ class TrainerConfig:
     # TP/PP/DP layout (gathered over DP while saving). dp_reshardable: each rank's flat shard, the
     # fastest save, but a TP/PP change then restarts Adam (weights still reshard).
     checkpoint_optimizer: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    # Resume check of the checkpoint's files against its manifest. checksum: CRC32 of every file (one
+    # extra read of the checkpoint, shared by the trainer ranks); size: presence and sizes only (a stat
+    # per file; misses a same-size byte flip), for checkpoints too large to re-read at every resume.
+    checkpoint_verify: Literal["checksum", "size"] = "checksum"
     # Metrics: the policy entropy costs one extra read-only pass over the logits per micro-batch.
     log_entropy: bool = True
 
@@ -214,6 +218,7 @@ class TrainerConfig:
                "Adam betas must lie in [0, 1)")
         check(self.checkpoint_optimizer in ("fully_reshardable", "dp_reshardable"),
                f"{key}.checkpoint_optimizer", "must be fully_reshardable or dp_reshardable")
+        check(self.checkpoint_verify in ("checksum", "size"), f"{key}.checkpoint_verify", "must be checksum or size")
 
 
 @dataclass

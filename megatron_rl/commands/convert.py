@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--hf-config", default=None,
                    help="HF config source (model dir/name); default: hf_config/ next to the checkpoint")
     b.add_argument("--max-shard-mb", type=int, default=2048, help="size of each safetensors shard")
+    b.add_argument("--verify", choices=["checksum", "size"], default="checksum",
+                   help="check the checkpoint's files against its manifest: CRC32 of every file (default), "
+                        "or presence and sizes only (no extra read of a large checkpoint)")
+    a.add_argument("--force", action="store_true",
+                   help="write into a folder that already holds checkpoints (moves its `latest` to step 0)")
     for p in (a, b):
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this job")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this job")
@@ -30,18 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_rl.tools.convert import ConversionError, hf_to_megatron, megatron_to_hf
+    from megatron_rl.train.checkpoint_manifest import CheckpointError
     from megatron_rl.train.parallel import ParallelLayout
 
     try:
         layout = ParallelLayout(args.tp, args.pp, dp=0)
         if args.direction == "to-megatron":
-            r = hf_to_megatron(args.source, args.out, layout, dtype=args.dtype, backend=args.backend)
+            r = hf_to_megatron(args.source, args.out, layout, dtype=args.dtype, backend=args.backend,
+                               force=args.force)
         else:
             if args.max_shard_mb < 1:
                 raise ValueError("--max-shard-mb must be >= 1")
             r = megatron_to_hf(args.checkpoint, args.out, layout, hf_config=args.hf_config, dtype=args.dtype,
-                               max_shard_bytes=args.max_shard_mb << 20, backend=args.backend)
-    except (ConversionError, FileNotFoundError, ValueError) as e:
+                               max_shard_bytes=args.max_shard_mb << 20, backend=args.backend,
+                               verify=args.verify)
+    except (ConversionError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)
         return 1
     import torch.distributed as dist

@@ -8,9 +8,11 @@ TP*PP > 1; a plain process is a world of one). The layout of the job decides the
   (`train.hf_weights.load_hf_weights` over the lazy `SafetensorsTensors`), and the shards are saved
   with `train.checkpoint.save_checkpoint` (atomic, resumable by the Trainer, reshardable to any
   TP/PP on load). The HF config and tokenizer are copied to `root/hf_config/` so that the reverse
-  conversion needs nothing else.
-- `megatron_to_hf(checkpoint, out_dir, layout)`: loads a checkpoint (a converted one or a trainer
-  checkpoint) at the job's layout — `train.checkpoint` reshards TP, PP and DP, TP padding
+  conversion needs nothing else. A folder that already holds checkpoints (`latest`, `step_*`: a
+  run's) is refused unless `force=True`: the conversion would point its `latest` at step 0.
+- `megatron_to_hf(checkpoint, out_dir, layout)`: checks the checkpoint's files against its manifest
+  (`verify`: "checksum" or "size"; a damaged file is a CheckpointError naming it, before anything
+  is read), loads it (a converted one or a trainer checkpoint) at the job's layout — `train.checkpoint` reshards TP, PP and DP, TP padding
   included, and refuses a checkpoint of another model than the HF config describes — then streams
   `export_hf_tensors` (TP-gathered, padding removed, one tensor at a time) into safetensors
   shards written by TP rank 0 / DP rank 0 of every pipeline stage (`hf_writer.ShardWriter`).
@@ -102,14 +104,30 @@ def _start(layout: ParallelLayout, backend: str | None) -> ParallelLayout:
     return init_parallel(layout, backend=backend)
 
 
+def refuse_checkpoint_root(root: Path, step: int = 0) -> None:
+    """ConversionError when `root` already holds checkpoints (a `latest` pointer or step directories)."""
+    from megatron_rl.train.checkpoint_dirs import LATEST, complete_checkpoints
+
+    steps = [p.name for p in complete_checkpoints(root)]
+    if steps or (root / LATEST).exists():
+        held = f"{len(steps)} step directories ({steps[0]} .. {steps[-1]})" if steps else f"a `{LATEST}` pointer"
+        raise ConversionError(f"{root} already holds checkpoints: {held}; converting into it would point "
+                              f"`{LATEST}` at the converted step {step}. Choose a new folder, or pass --force "
+                              f"(force=True) to write there anyway")
+
+
 def hf_to_megatron(source: str | Path, root: str | Path, layout: ParallelLayout = ParallelLayout(dp=0),
-                   dtype: str | None = None, backend: str | None = None, step: int = 0) -> ConvertResult:
-    """Collective: HF model (directory or `smollm2-135m`) -> dist checkpoint under `root`."""
+                   dtype: str | None = None, backend: str | None = None, step: int = 0,
+                   force: bool = False) -> ConvertResult:
+    """Collective: HF model (directory or `smollm2-135m`) -> dist checkpoint under `root`, which
+    must hold no checkpoints yet unless `force`."""
     from megatron_rl.train.checkpoint import save_checkpoint
     from megatron_rl.train.hf_source import resolve_model
     from megatron_rl.train.hf_weights import load_hf_weights
     from megatron_rl.train.model import build_model
 
+    if not force:  # before anything starts: a refused conversion changes nothing
+        refuse_checkpoint_root(Path(root), step)
     layout = _start(layout, backend)
     src = resolve_model(source)
     config = src.config()
@@ -131,7 +149,13 @@ def checkpoint_dtype(ckpt: Path) -> torch.dtype:
     """dtype of the model weights stored in a dist checkpoint (from its metadata, no tensor read)."""
     from megatron.core import dist_checkpointing
 
-    meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    from megatron_rl.train.checkpoint_manifest import describe
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    except Exception as e:  # an unverified (pre-manifest) checkpoint's damaged .metadata, in any type
+        raise ConversionError(f"checkpoint {ckpt}: its tensor metadata (.metadata) cannot be read "
+                              f"({describe(e)})") from e
     for key, t in meta.items():
         if "word_embeddings" in key or "linear_qkv.weight" in key:
             return t.dtype
@@ -153,11 +177,13 @@ def find_hf_config(ckpt: Path, hf_config: str | Path | None):
 
 def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: ParallelLayout = ParallelLayout(dp=0),
                    hf_config: str | Path | None = None, dtype: str | None = None,
-                   max_shard_bytes: int = 2 << 30, backend: str | None = None) -> ConvertResult:
-    """Collective: dist checkpoint (root or step dir) -> HF directory `out_dir`."""
+                   max_shard_bytes: int = 2 << 30, backend: str | None = None,
+                   verify: str = "checksum") -> ConvertResult:
+    """Collective: dist checkpoint (root or step dir), checked against its manifest (`verify`:
+    "checksum" or "size"), -> HF directory `out_dir`."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+    from megatron_rl.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, verify_checkpoint
     from megatron_rl.train.hf_weights import export_hf_tensors
     from megatron_rl.train.model import build_model
 
@@ -167,12 +193,13 @@ def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: Parallel
     ckpt = resolve_checkpoint(checkpoint)
     if ckpt is None:
         raise ConversionError(f"no complete checkpoint at {checkpoint}")
+    verify_checkpoint(ckpt, verify)  # CheckpointError naming the damaged file, before any read
     src = find_hf_config(ckpt, hf_config)
     config = _plain_config(src.config())
     stored = checkpoint_dtype(ckpt)
     chunks = build_model(config, layout, stored)  # same dtype as stored: loading is a plain copy
     try:  # reshards into this layout, TP padding included; refuses a checkpoint of another model
-        load_checkpoint(ckpt, chunks, None, layout, load_optimizer=False)
+        load_checkpoint(ckpt, chunks, None, layout, load_optimizer=False, verify="verified")
     except CheckpointError as e:
         raise ConversionError(f"{e} (HF config used: {src.path})") from e
     out = Path(out_dir)

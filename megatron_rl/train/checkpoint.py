@@ -20,6 +20,12 @@ any layout) or `dp_reshardable` (each rank's flat shard, the faster save; after 
 the optimizer state is not loaded and Adam restarts, `LoadResult.optimizer_loaded=False`). RNG
 state is restored only at the identical layout (`LoadResult.rng_restored`). Format 1 checkpoints
 (stacked layer keys, dp_reshardable) still load, at any TP whose padding equals the saving TP's.
+
+Integrity (`checkpoint_manifest`): every save ends with a manifest of sizes and CRC32s; a load
+first checks the files against it (`verify`: "checksum" or "size") and reads nothing of a damaged
+checkpoint. Any damage found then or while reading surfaces as one CheckpointError naming the
+checkpoint and the file. Checkpoints from before manifests (no `has_manifest` in their common
+state) load with a warning; a checkpoint saved with a manifest that lost it is refused.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from typing import Any
 import torch
 
 from megatron_rl.train.checkpoint_dirs import barrier, begin_save, commit_save, resolve_checkpoint, step_dirname
+from megatron_rl.train.checkpoint_manifest import MANIFEST, VERIFY_MODES, CheckpointError, describe, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +58,6 @@ DIMS_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_hea
 _PADDED = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
            "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
            "embedding.word_embeddings.weight", "output_layer.weight")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 # ---------------------------------------------------------------- what goes into a checkpoint
@@ -231,38 +234,75 @@ def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
                            version=FORMAT_VERSION, optimizer_format=optimizer_format, reference=reference)
     state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout), has_optimizer=has_opt,
                  format_version=FORMAT_VERSION, optimizer_format=optimizer_format, model_dims=dims,
-                 has_reference=reference is not None)
+                 has_reference=reference is not None, has_manifest=True)
     dist_checkpointing.save(state, str(tmp))
     return commit_save(root, tmp, name, keep_last)
 
 
-def read_common(path: str | Path) -> dict[str, Any]:
-    """Step, layout, extra state, formats and model dims of a checkpoint, without building a model."""
-    from megatron.core import dist_checkpointing
-
+def _resolve(path: str | Path) -> Path:
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint at {path}")
-    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    return ckpt
+
+
+def _load_common(ckpt: Path) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    try:
+        json.loads((ckpt / "metadata.json").read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"damaged checkpoint {ckpt}: metadata.json cannot be read ({describe(e)})")
+    try:
+        return dist_checkpointing.load_common_state_dict(str(ckpt))
+    except Exception as e:  # a missing or damaged common.pt surfaces as any type (EOFError, pickle errors...)
+        raise CheckpointError(f"damaged checkpoint {ckpt}: common.pt cannot be read ({describe(e)})") from e
+
+
+def verify_checkpoint(path: str | Path, mode: str = "checksum") -> Path:
+    """Collective: check the checkpoint `path` designates against its manifest (`mode`: "checksum"
+    reads every file, "size" only stats them) and return its directory. CheckpointError names the
+    damaged file; a checkpoint from before manifests passes with a warning."""
+    if mode not in VERIFY_MODES:
+        raise CheckpointError(f"checkpoint verification {mode!r}: expected one of {VERIFY_MODES}")
+    ckpt = _resolve(path)
+    if verify_manifest(ckpt, mode):
+        return ckpt
+    if _load_common(ckpt).get("has_manifest"):
+        raise CheckpointError(f"damaged checkpoint {ckpt}: {MANIFEST} is missing, but this checkpoint was saved "
+                              f"with one (its common.pt says so); the copy is incomplete: copy it again")
+    log.warning("%s has no %s (saved before checkpoints carried one): its files are not verified", ckpt, MANIFEST)
+    return ckpt
+
+
+def read_common(path: str | Path) -> dict[str, Any]:
+    """Step, layout, extra state, formats and model dims of a checkpoint, without building a model."""
+    ckpt = _resolve(path)
+    common = _load_common(ckpt)
     version = common.get("format_version")
     if version not in _MODEL_METADATA:
         raise CheckpointError(f"{ckpt}: not a megatron_rl trainer checkpoint this version reads (format_version "
                               f"{version!r}; readable: {sorted(_MODEL_METADATA)})")
-    return {"path": ckpt, "step": int(common["step"]), "layout": dict(common["layout"]),
-            "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"]),
-            "format_version": int(version),
-            "optimizer_format": common.get("optimizer_format", "dp_reshardable"),  # v1: always dp_reshardable
-            "model_dims": common.get("model_dims"), "has_reference": bool(common.get("has_reference", False))}
+    try:
+        return {"path": ckpt, "step": int(common["step"]), "layout": dict(common["layout"]),
+                "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"]),
+                "format_version": int(version),
+                "optimizer_format": common.get("optimizer_format", "dp_reshardable"),  # v1: dp_reshardable
+                "model_dims": common.get("model_dims"), "has_reference": bool(common.get("has_reference", False))}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"damaged checkpoint {ckpt}: common.pt lacks or garbles a field "
+                              f"({describe(e)})") from e
 
 
 def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optimizer: bool = True,
-                    reference: list | None = None) -> LoadResult:
+                    reference: list | None = None, verify: str = "checksum") -> LoadResult:
     """Collective: load the checkpoint `path` designates into `model` (+ optimizer, RNG, and the KL
     reference policy into `reference` when both the caller and the checkpoint have one), resharded
-    into this layout. Raises CheckpointError for a checkpoint of another model."""
+    into this layout, after `verify_checkpoint(path, verify)` ("verified": the caller just did).
+    Raises CheckpointError for a damaged checkpoint or one of another model."""
     from megatron.core import dist_checkpointing
 
-    meta = read_common(path)
+    meta = read_common(path if verify == "verified" else verify_checkpoint(path, verify))
     ckpt: Path = meta["path"]
     saved, version, fmt = meta["layout"], meta["format_version"], meta["optimizer_format"]
     dims = _dims_record(model)
@@ -281,7 +321,12 @@ def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optim
     with_ref = reference if meta["has_reference"] else None
     state = _sharded_state(model, optimizer, layout, is_loading=True, with_optimizer=with_opt, with_rng=with_rng,
                            version=version, optimizer_format=fmt, reference=with_ref)
-    loaded = dist_checkpointing.load(state, str(ckpt))
+    try:
+        loaded = dist_checkpointing.load(state, str(ckpt))
+    except CheckpointError:
+        raise
+    except Exception as e:  # verified files make this rare; unverified (old) ones fail here in any type
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {describe(e)}") from e
     for i, chunk in enumerate(model):
         target = chunk.module if hasattr(chunk, "module") else chunk
         target.load_state_dict(loaded[_model_key(i, len(model))])

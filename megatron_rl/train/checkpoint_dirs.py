@@ -6,11 +6,13 @@ Layout under a checkpoint root:
     root/latest                text file naming the newest complete checkpoint ("step_00000012")
     root/step_00000013.tmp-ab12cd/   a save in progress (or the debris of a crashed one)
 
-A save writes everything into `<name>.tmp-<id>` (`begin_save`), then rank 0 renames it to `<name>`
-(atomic on POSIX within one file system) and replaces `latest` through a temporary file +
-`os.replace` (`commit_save`). A writer killed at any moment leaves either the old `latest` -> old
+A save writes everything into `<name>.tmp-<id>` (`begin_save`); once every rank is done the ranks
+write its `manifest.json` (sizes and CRC32 of every file, `checkpoint_manifest`), then rank 0 renames
+it to `<name>` (atomic on POSIX within one file system) and replaces `latest` through a temporary
+file + `os.replace` (`commit_save`). A writer killed at any moment leaves either the old `latest` -> old
 complete checkpoint, or the new one: never a half-written checkpoint behind `latest`. Debris is
 removed by the next save. Collective over the default process group when torch.distributed is up.
+`latest` naming no checkpoint directory is damage (the protocol never writes one): CheckpointError.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import uuid
 from pathlib import Path
 
 import torch.distributed as dist
+
+from megatron_rl.train.checkpoint_manifest import MANIFEST, CheckpointError, describe, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +94,32 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """A dist_checkpointing directory itself (complete or damaged), rather than a root of them."""
+    return any((path / name).is_file() for name in ("metadata.json", MANIFEST, "common.pt"))
+
+
 def resolve_checkpoint(path: str | Path) -> Path | None:
     """The checkpoint directory `path` designates: a root (follows `latest`) or one checkpoint.
 
-    Returns None for a root holding no complete checkpoint.
+    Returns None for a root holding no complete checkpoint; CheckpointError when `latest` names no
+    checkpoint directory (the newest one is not necessarily the one the run was at).
     """
     path = Path(path)
-    if (path / "metadata.json").is_file():  # a dist_checkpointing directory itself
+    if is_checkpoint_dir(path):
         return path
     pointer = path / LATEST
-    if pointer.is_file():
-        target = path / pointer.read_text().strip()
-        if (target / "metadata.json").is_file():
-            return target
-        log.warning("%s names %s, which is not a complete checkpoint; using the newest one", pointer, target)
+    if pointer.exists():
+        try:
+            name = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{pointer} cannot be read ({describe(e)})") from None
+        if _STEP_RE.match(name) and is_checkpoint_dir(path / name):
+            return path / name
+        found = ", ".join(p.name for p in complete_checkpoints(path)) or "none"
+        raise CheckpointError(f"{pointer} names {name[:80]!r}, which is not a checkpoint directory in {path} "
+                              f"(step directories there: {found}); write the wanted one's name into it, "
+                              f"or pass that step directory itself")
     done = [p for p in complete_checkpoints(path) if (p / "metadata.json").is_file()]
     return done[-1] if done else None
 
@@ -134,6 +150,7 @@ def commit_save(root: Path, tmp: Path, name: str, keep_last: int = 0) -> Path:
     """After every rank finished writing `tmp`: rename it to `root/name`, move `latest`, prune."""
     final = root / name
     barrier()
+    write_manifest(tmp)  # collective; last file written, before the directory becomes visible
     if _rank() == 0:
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step: move the old one aside first

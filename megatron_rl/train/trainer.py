@@ -138,10 +138,12 @@ class Trainer:
         return self.reference.chunks
 
     def load(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        """Collective: resume from a checkpoint (a root -> its latest), resharded into this layout.
-        Returns the `extra` saved; `last_load` (checkpoint.LoadResult) says what was restored."""
+        """Collective: resume from a checkpoint (a root -> its latest), resharded into this layout,
+        after checking its files against its manifest (`trainer.checkpoint_verify`; CheckpointError
+        names a damaged file). Returns the `extra` saved; `last_load` says what was restored."""
         result = ckpt.load_checkpoint(path, self.model, self.optimizer, self.layout, load_optimizer,
-                                      reference=self._saved_reference())
+                                      reference=self._saved_reference(),
+                                      verify=self.config.trainer.checkpoint_verify)
         own = result.extra.get(_STATE_KEY, {})
         self.version = int(own.get("version", result.step))
         self.step = int(own.get("step", 0))

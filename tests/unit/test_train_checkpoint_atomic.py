@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.train import checkpoint_dirs as ck
 
 
@@ -40,11 +42,27 @@ def test_interrupted_save_leaves_previous_checkpoint_and_is_cleaned(tmp_path):
     assert not partial.exists() and not (tmp_path / "latest.tmp-deadbeef").exists()
 
 
-def test_dangling_pointer_falls_back_to_newest_complete(tmp_path):
+def test_dangling_pointer_is_refused_naming_it(tmp_path):
+    """The protocol never points `latest` at nothing: such a pointer is damage, and the newest
+    checkpoint is not necessarily the run's, so nothing is guessed."""
     _fake_save(tmp_path, 1)
-    newest = _fake_save(tmp_path, 2)
-    ck.write_pointer(tmp_path, "step_00000009")  # names nothing
-    assert ck.resolve_checkpoint(tmp_path) == newest
+    _fake_save(tmp_path, 2)
+    for target in ("step_00000009", "", "../elsewhere"):  # names nothing / empty / not a step name
+        ck.write_pointer(tmp_path, target)
+        with pytest.raises(ck.CheckpointError, match=r"latest names .*step_00000001, step_00000002"):
+            ck.resolve_checkpoint(tmp_path)
+    (tmp_path / "latest").unlink()  # no pointer at all (a crash before the first one): the newest
+    assert ck.resolve_checkpoint(tmp_path) == tmp_path / "step_00000002"
+
+
+def test_commit_writes_the_manifest_last(tmp_path):
+    import json
+    import zlib
+
+    done = _fake_save(tmp_path, 1, payload="abc")
+    files = json.loads((done / "manifest.json").read_text())["files"]
+    assert files == {name: {"size": len(text), "crc32": f"{zlib.crc32(text.encode()):08x}"}
+                     for name, text in (("metadata.json", "{}"), ("payload", "abc"))}
 
 
 def test_resave_same_step_and_keep_last(tmp_path):

@@ -88,10 +88,11 @@ def _not_utf8(raw: bytes, err: UnicodeDecodeError, path: Path) -> ConfigError:
                        "save the file as UTF-8")
 
 
-def read_config_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """(plain tree, line of each dotted key) of a YAML config file; ConfigError naming the file if unusable."""
+def read_yaml(path: Path, what: str = "config file") -> tuple[Any, dict[str, int]]:
+    """(plain data or None when empty, line of each dotted key) of a UTF-8 YAML file without duplicate
+    keys; ConfigError naming the file (`what` names its kind when it is missing)."""
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{what} not found: {path}")
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -100,7 +101,12 @@ def read_config_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _not_utf8(raw, e, path) from None
-    data, lines = _parse(text, path)
+    return _parse(text, path)
+
+
+def read_config_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """(plain tree, line of each dotted key) of a YAML config file; ConfigError naming the file if unusable."""
+    data, lines = read_yaml(path)
     if data is None:
         raise ConfigError(f"{path}: empty config file (no sections); give at least one section such as "
                           "`run:`, or leave the file out to use the defaults")

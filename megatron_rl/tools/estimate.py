@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from megatron_rl.config import Config
+from megatron_rl.config_file import locate_error, read_yaml
+from megatron_rl.config_tree import ConfigError, build
 
 GB = 1024 ** 3
 
@@ -48,14 +48,18 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | Path | None) -> "Cluster":
+        """The cluster YAML at `path` (defaults when None); ConfigError (one line naming the file, line and
+        key) on an unreadable file, a duplicate or unknown key, or a value of the wrong type or not finite."""
         if path is None:
             return cls()
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        names = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"{path}: unknown cluster key(s) {sorted(unknown)} (known: {sorted(names)})")
-        return cls(**data)
+        data, lines = read_yaml(Path(path), "cluster file")
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a cluster file is a mapping of keys ({', '.join(cls.__dataclass_fields__)}), "
+                              f"got {'an empty file' if data is None else type(data).__name__}")
+        try:
+            return build(cls, data, "")
+        except ConfigError as e:
+            raise locate_error(e, Path(path), lines, []) from None
 
 
 @dataclass

@@ -151,3 +151,17 @@ def test_a_bad_line_of_a_jsonl_file_names_the_file_and_line(command, second_line
             "filter format": ["filter", "format", str(bad), str(tmp_path / "out.jsonl")]}[command]
     msg = _one_line_error(argv, capsys)
     assert f"{bad}:2:" in msg and any(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("text, line, key, words", [
+    ("gpu_memory_gb: 80\ngpus_per_node: 8\ngpu_memory_gb: 40\n", 3, "gpu_memory_gb", "duplicate key"),
+    ("gpu_memory_gb: .inf\n", 1, "gpu_memory_gb", "finite"),
+    ("mfu: .nan\n", 1, "mfu", "finite"),
+    ("gpus_per_node: eight\n", 1, "gpus_per_node", "must be an integer"),
+    (b"gpu_memory_gb: 80 # \xb5\n", 1, "gpu_memory_gb", "not UTF-8"),
+])
+def test_a_bad_cluster_file_of_estimate_names_the_file_line_and_key(text, line, key, words, tmp_path, capsys):
+    cluster = _write(tmp_path, text, "cluster.yaml")
+    run = _write(tmp_path, "trainer:\n  model: smollm2-135m\n")
+    msg = _one_line_error(["estimate", str(run), "--cluster", str(cluster)], capsys)
+    assert f"{cluster}:{line}: {key}:" in msg and words in msg, msg

@@ -15,7 +15,7 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 
 stamp_of() {
   cat "$ENVDIR"/constraints.txt "$ENVDIR"/requirements-top.txt "$ENVDIR"/bootstrap.sh \
-      "$ENVDIR"/patch_torchvision.py "$ROOT/setup.py" "$LOCK" 2>/dev/null | sha256sum | cut -d' ' -f1
+      "$ENVDIR"/patch_torchvision.py "$ROOT/setup.py" "$ROOT/pyproject.toml" "$LOCK" 2>/dev/null | sha256sum | cut -d' ' -f1
 }
 
 ensure_system_packages() {

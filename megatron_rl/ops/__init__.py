@@ -10,10 +10,11 @@
 - `token_logprobs(logits, targets, tp_group=None, vocab_size=None)`: the per-token logprobs alone.
 
 Both losses equal `megatron_rl.algo.loss.clipped_token_loss` on the explicit logprobs (value and
-gradient). Kernels come from csrc/ (built by setup.py with MEGATRON_RL_BUILD_EXT=1, else compiled just
-in time and cached); without a compiler a PyTorch path is used after a one-time warning.
+gradient). Kernels come from csrc/ (built by setup.py with MEGATRON_RL_BUILD_EXT=1|cuda, else compiled just
+in time and cached); without a compiler a PyTorch path is used after a one-time warning, unless
+MEGATRON_RL_OPS_BACKEND=strict (or ext) makes that an error (`require_extension` checks it up front).
 """
-from ._backend import backend_name, extension_available, extension_error
+from ._backend import backend_name, extension_available, extension_error, require_extension
 from ._core import SequenceKL
 from .fused_linear import fused_linear_clipped_loss
 from .fused_loss import fused_clipped_loss, token_logprobs
@@ -25,5 +26,6 @@ __all__ = [
     "extension_error",
     "fused_clipped_loss",
     "fused_linear_clipped_loss",
+    "require_extension",
     "token_logprobs",
 ]

@@ -4,7 +4,9 @@
 `logits_grad(logits, targets, lse, coef, vocab_start, inplace) -> grad` (see csrc/cpu/fused_loss_cpu.cpp).
 
 Backend choice: MEGATRON_RL_OPS_BACKEND = auto (default: prebuilt library, else JIT compile, else the
-PyTorch path with a one-time warning) | ext (the extension or an error) | torch (PyTorch path only).
+PyTorch path with a one-time warning) | ext (the extension or an error) | strict (ext, and CUDA tensors
+need the CUDA kernels: a CPU-only build next to a CUDA torch is an error too; set by the Dockerfile)
+| torch (PyTorch path only). float64 (gradient checks) always takes the PyTorch path.
 The PyTorch path processes rows in chunks, so it never holds a float32 [N, V] tensor either.
 """
 from __future__ import annotations
@@ -18,14 +20,15 @@ import torch
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_ELEMENTS = 1 << 24  # PyTorch path: rows per chunk * V stays below this (64 MiB of float32)
 
+_MODES = ("auto", "ext", "strict", "torch")
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None, "error": None, "warned": False}
 
 
 def _mode() -> str:
     mode = os.environ.get("MEGATRON_RL_OPS_BACKEND", "auto").strip().lower()
-    if mode not in ("auto", "ext", "torch"):
-        raise ValueError(f"MEGATRON_RL_OPS_BACKEND must be auto, ext or torch, got {mode!r}")
+    if mode not in _MODES:
+        raise ValueError(f"MEGATRON_RL_OPS_BACKEND must be one of {', '.join(_MODES)}, got {mode!r}")
     return mode
 
 
@@ -59,10 +62,30 @@ def extension_error() -> str | None:
     return _state["error"]  # type: ignore[return-value]
 
 
+def _has_cuda_kernels() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("megatron_rl_ops::lse_stats", "CUDA")
+
+
+def require_extension(cuda: bool = False) -> None:
+    """Load the extension or raise RuntimeError saying why (with cuda=True its CUDA kernels too):
+    what strict mode checks at first use, callable up front (the GPU install runs it)."""
+    if not _load():
+        raise RuntimeError(
+            f"megatron_rl.ops strict: the csrc extension failed to build or load: {_state['error']}"
+        )
+    if cuda and not _has_cuda_kernels():
+        raise RuntimeError(
+            "megatron_rl.ops strict: the loaded csrc extension has no CUDA kernels (built without a CUDA "
+            "torch or nvcc); rebuild it with MEGATRON_RL_BUILD_EXT=cuda (./dev setup --gpu)"
+        )
+
+
 def _use_extension(logits: torch.Tensor) -> bool:
     mode = _mode()
     if mode == "torch":
         return False
+    if mode == "strict":
+        require_extension(cuda=logits.is_cuda)
     ok = _load()
     if mode == "ext" and not ok:
         raise RuntimeError(f"MEGATRON_RL_OPS_BACKEND=ext but the csrc extension failed: {_state['error']}")
@@ -78,9 +101,7 @@ def _use_extension(logits: torch.Tensor) -> bool:
         return False
     if logits.dtype not in _KERNEL_DTYPES:
         return False  # float64 (used by gradient checks) goes through PyTorch
-    if logits.is_cuda and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "megatron_rl_ops::lse_stats", "CUDA"
-    ):
+    if logits.is_cuda and not _has_cuda_kernels():
         return False  # a CPU-only build loaded next to a CUDA torch
     return True
 

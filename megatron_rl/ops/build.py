@@ -11,7 +11,10 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CSRC = REPO_ROOT / "csrc"
+# A wheel carries the sources next to this file (setup.py's build_py copies csrc/ there); a source
+# checkout or an editable install reads them from the repository.
+_PACKAGED_CSRC = Path(__file__).resolve().parent / "csrc"
+CSRC = _PACKAGED_CSRC if _PACKAGED_CSRC.is_dir() else REPO_ROOT / "csrc"
 EXT_NAME = "megatron_rl_ops"  # the TORCH_LIBRARY namespace too
 PREBUILT_STEM = "_fused_loss_ext"  # file name (before the ABI suffix) of a setup.py build
 
@@ -26,10 +29,7 @@ NVCC_FLAGS = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
 
 def cuda_build_possible() -> bool:
     """A CUDA build needs a CUDA-enabled torch and nvcc (CUDA_HOME)."""
-    import torch
-    from torch.utils import cpp_extension
-
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    return cuda_build_blocker() is None
 
 
 def jit_with_cuda() -> bool:
@@ -48,11 +48,27 @@ def cxx_defines(with_cuda: bool) -> list[str]:
     return ["-DMEGATRON_RL_WITH_CUDA"] if with_cuda else []
 
 
-def extension_modules():
-    """(cmdclass, ext_modules) for setup.py: CUDAExtension when possible, else CppExtension."""
+def cuda_build_blocker() -> str | None:
+    """Why a CUDA build cannot happen here (None when it can)."""
+    import torch
     from torch.utils import cpp_extension
 
-    with_cuda = cuda_build_possible()
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build (install the CUDA torch of the gpu extra)"
+    if cpp_extension.CUDA_HOME is None:
+        return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    return None
+
+
+def extension_modules(require_cuda: bool = False):
+    """(cmdclass, ext_modules) for setup.py: CUDAExtension when possible, else CppExtension;
+    require_cuda (MEGATRON_RL_BUILD_EXT=cuda) makes a missing CUDA toolchain an error instead."""
+    from torch.utils import cpp_extension
+
+    blocker = cuda_build_blocker()
+    if require_cuda and blocker is not None:
+        raise RuntimeError(f"MEGATRON_RL_BUILD_EXT=cuda: cannot build the CUDA kernels: {blocker}")
+    with_cuda = blocker is None
     rel = [os.path.relpath(s, REPO_ROOT) for s in sources(with_cuda)]
     cls = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     extra = {"cxx": CXX_FLAGS + cxx_defines(with_cuda)}
@@ -70,9 +86,15 @@ def extension_modules():
 
 
 def prebuilt_library() -> Path | None:
-    """The shared library a MEGATRON_RL_BUILD_EXT=1 install left next to this file, if any."""
-    hits = sorted(Path(__file__).parent.glob(f"{PREBUILT_STEM}*.so"))
-    return hits[0] if hits else None
+    """The shared library a MEGATRON_RL_BUILD_EXT install left next to this file, if any; only one
+    built for this interpreter (a source tree may be shared by venvs of several Pythons)."""
+    import importlib.machinery
+
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (here / f"{PREBUILT_STEM}{suffix}").is_file():
+            return here / f"{PREBUILT_STEM}{suffix}"
+    return None
 
 
 def jit_build_dir(with_cuda: bool) -> Path:
@@ -95,7 +117,7 @@ def jit_load(verbose: bool = False) -> str:
 
     missing = [s for s in sources(False) if not os.path.exists(s)]
     if missing:
-        raise FileNotFoundError(f"csrc sources not found (non-editable install?): {missing}")
+        raise FileNotFoundError(f"csrc sources not found under {CSRC} (wheel built without them?): {missing}")
     with_cuda = jit_with_cuda()
     build_dir = jit_build_dir(with_cuda)
     os.environ.setdefault("MAX_JOBS", "2")

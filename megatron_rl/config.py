@@ -46,8 +46,15 @@ class AlgoConfig:
     # with the behaviour mismatch as a per-token weight exp(proximal - behaviour), truncated at tis_cap.
     proximal: Literal["behaviour", "trainer"] = "behaviour"
     # Truncation of importance weights (None = off): of exp(proximal - behaviour) with proximal: trainer,
-    # else of each token's ratio pi / pi_behaviour in its gradient.
+    # else of each token's ratio pi / pi_behaviour in its gradient. The cap of token_tis and sequence_tis.
     tis_cap: float | None = None
+    # Importance-sampling correction of the trainer/generator mismatch (docs/algo.md "Corrections"):
+    # token_tis: each token's weight truncated at tis_cap (null: no correction); token_mask: tokens whose
+    # ratio leaves [mask_ratio_low, mask_ratio_high] are masked out of the loss; sequence_tis: every token
+    # weighted by its sequence's geometric-mean ratio, truncated at tis_cap (needs proximal: trainer).
+    is_correction: Literal["token_tis", "token_mask", "sequence_tis"] = "token_tis"
+    mask_ratio_low: float = 0.5  # token_mask band on exp(trainer - generator logprob)
+    mask_ratio_high: float = 2.0  # its upper end (tokens above it are masked too)
     # Advantage estimator for pass@k training (None = plain pass@1 / GRPO).
     pass_at_k: int | None = None
 
@@ -59,6 +66,13 @@ class AlgoConfig:
                "has no effect with kl_mode: none (choose k2 or reward)")
         check(self.kl_ref_refresh_every >= 0, f"{key}.kl_ref_refresh_every", "must be >= 0 (0 = never)")
         check(self.tis_cap is None or self.tis_cap >= 1.0, f"{key}.tis_cap", "must be >= 1 or null")
+        check(0.0 < self.mask_ratio_low <= 1.0, f"{key}.mask_ratio_low", "must lie in (0, 1]")
+        check(self.mask_ratio_high >= 1.0, f"{key}.mask_ratio_high", "must be >= 1")
+        check(self.is_correction != "token_mask" or self.tis_cap is None, f"{key}.tis_cap",
+               "has no effect with is_correction: token_mask (the band bounds the weights): set it to null")
+        check(self.is_correction != "sequence_tis" or self.proximal == "trainer", f"{key}.is_correction",
+               "sequence_tis weighs sequences by the trainer/generator ratio at the update start: it needs "
+               "algo.proximal: trainer")
         check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
 
 
@@ -279,9 +293,10 @@ class Config:
             getattr(self, f.name).validate(f.name)
         check_length_penalty(self.rollout, self.reward)  # checks across sections
         if self.rollout.stale_policy == "reweight":
-            check(self.algo.proximal == "trainer" and self.algo.tis_cap is not None, "rollout.stale_policy",
-                   "reweight trains stale samples with truncated importance weights: it needs algo.proximal: "
-                   "trainer and algo.tis_cap set")
+            bounded = self.algo.tis_cap is not None or self.algo.is_correction == "token_mask"
+            check(self.algo.proximal == "trainer" and bounded, "rollout.stale_policy",
+                   "reweight trains stale samples with bounded importance weights: it needs algo.proximal: "
+                   "trainer and algo.tis_cap set (or algo.is_correction: token_mask)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

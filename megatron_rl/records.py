@@ -23,11 +23,25 @@ class Problem:
 
 
 @dataclass
+class SampleRequest:
+    """One completion to generate: sample `sample_index` of group `group_id`, from `prompt_ids`.
+    What the controller issues, a generator runs (and re-issues after a server restart)."""
+
+    group_id: str
+    sample_index: int
+    prompt_ids: list[int]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.group_id, self.sample_index
+
+
+@dataclass
 class Rollout:
     """One sampled completion with everything the loss needs, token by token."""
 
-    problem_id: str
-    sample_index: int  # index within the group of G samples of this problem
+    group_id: str  # the G samples of one prompt share it (the controller: "<problem id>#<serial>")
+    sample_index: int  # index within the group of G samples
     prompt_ids: list[int]
     completion_ids: list[int]
     behaviour_logprobs: list[float]  # logprob the generator reported for each completion token
@@ -49,8 +63,12 @@ class Rollout:
         n = len(self.completion_ids)
         if len(self.behaviour_logprobs) != n or len(self.weight_versions) != n:
             raise ValueError(
-                f"rollout {self.problem_id}/{self.sample_index}: {n} completion tokens but "
+                f"rollout {self.group_id}/{self.sample_index}: {n} completion tokens but "
                 f"{len(self.behaviour_logprobs)} logprobs and {len(self.weight_versions)} versions")
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.group_id, self.sample_index
 
     @property
     def oldest_version(self) -> int:
@@ -61,6 +79,8 @@ class Rollout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Rollout":
+        if "problem_id" in data:  # checkpoints written before the field was named for what it holds
+            data = {("group_id" if k == "problem_id" else k): v for k, v in data.items()}
         return cls(**data)
 
 
@@ -86,6 +106,8 @@ class TrainSequence:
             raise ValueError(f"temperature must be > 0 (greedy samples cannot be trained on), got {self.temperature}")
         if len(self.behaviour_logprobs) != n:
             raise ValueError(f"{n} completion tokens but {len(self.behaviour_logprobs)} behaviour logprobs")
+        if self.weight_versions and len(self.weight_versions) != n:  # empty: versions unknown
+            raise ValueError(f"{n} completion tokens but {len(self.weight_versions)} weight versions")
 
     @property
     def completion_len(self) -> int:

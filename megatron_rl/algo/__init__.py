@@ -8,6 +8,9 @@
 - `kl`: optional KL whose gradient is the true grad KL(pi_theta || pi_ref) (k2 at the sequence level,
   or KL in the reward); its docstring explains why differentiating k1/k3 estimates is wrong.
 - `passk`: unbiased advantage estimator for pass@k / max@k training.
+- `correction`: importance-sampling corrections of the trainer/generator mismatch (`ISCorrection`:
+  token-level truncated, masked outside a band, sequence-level geometric mean).
+- `mismatch`: trainer vs generator logprob statistics by weight-version lag (the `mismatch/...` metrics).
 
 Trainer usage for one optimizer minibatch split into micro-batches and data-parallel ranks:
 

@@ -28,6 +28,9 @@ Options beyond the recipe (off by default):
   scaled by the detached factor min(1, cap / r_t), so its gradient is -min(r_t, cap) A grad logp).
   This bounds the update from very stale tokens with negative advantage, the one branch the PPO clip
   leaves unbounded.
+- `correction` (`algo.correction.ISCorrection`): the general form of the two above, with masked IS
+  (`token_mask`) and sequence-level IS (`sequence_tis`, per-sequence from `segment_ids`); `tis_cap`
+  alone is `ISCorrection("token_tis", tis_cap)`. Pass one or the other.
 
 Everything is computed in at least float32 (bf16 inputs are upcast, float64 is kept); masked positions never contribute, even
 if they hold inf/nan (padding).
@@ -39,6 +42,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from .correction import ISCorrection, anchored_factor, current_ratio_weight
 
 Level = Literal["token", "sequence"]
 Normalizer = float | int | Tensor | None
@@ -60,6 +65,7 @@ class LossStats:
     ratio_min: Tensor
     ratio_max: Tensor
     is_weight_mean: Tensor  # mean truncated importance weight (1 when the option is off)
+    is_masked_frac: Tensor  # tokens masked out of the loss by is_correction token_mask
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
         """Python floats for logging (one host sync)."""
@@ -76,6 +82,7 @@ class TokenLossTerms:
     clipped_high: Tensor  # bool
     is_weight: Tensor  # detached importance weight multiplying l_t (1 when the option is off)
     mask: Tensor  # bool
+    is_masked: Tensor | None = None  # bool: tokens token_mask drops (None for other corrections)
 
     def stats(self) -> LossStats:
         m = self.mask
@@ -93,6 +100,7 @@ class TokenLossTerms:
             ratio_min=torch.where(any_tok, torch.where(m, r, big).min(), zero),
             ratio_max=torch.where(any_tok, torch.where(m, r, -big).max(), zero),
             is_weight_mean=(self.is_weight * m).sum() / denom,
+            is_masked_frac=(self.is_masked.sum() / denom if self.is_masked is not None else zero),
         )
 
 
@@ -113,11 +121,14 @@ def _check_inputs(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tens
 def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                      eps_low: float = 0.2, eps_high: float = 0.28, *,
                      proximal_logprobs: Tensor | None = None,
-                     tis_cap: float | None = None) -> TokenLossTerms:
-    """Per-token clipped-surrogate terms and clip/ratio bookkeeping (see the module docstring)."""
+                     tis_cap: float | None = None, correction: ISCorrection | None = None,
+                     segment_ids: Tensor | None = None) -> TokenLossTerms:
+    """Per-token clipped-surrogate terms and clip/ratio bookkeeping (see the module docstring).
+    segment_ids `[B, T]`: sequences of a packed row (sequence_tis); None: one sequence per row."""
     _check_inputs(logprobs, behaviour_logprobs, advantages, mask, eps_low, eps_high)
-    if tis_cap is not None and tis_cap < 1.0:
-        raise ValueError(f"tis_cap must be >= 1, got {tis_cap}")
+    if correction is not None and tis_cap is not None:
+        raise ValueError("pass tis_cap or correction, not both (the correction carries its cap)")
+    corr = correction if correction is not None else ISCorrection("token_tis", tis_cap)
     m = mask.bool()
     f32 = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 -> fp32; fp64 stays (gradcheck)
     lp = logprobs.to(f32)
@@ -134,14 +145,10 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
 
-    weight = torch.ones_like(lp)
-    if proximal_logprobs is not None:
-        weight = torch.exp(torch.where(m, anchor - behav, 0.0))
-        if tis_cap is not None:
-            weight = weight.clamp_max(tis_cap)
-    elif tis_cap is not None:
-        # Scale so the token's gradient weight is min(r, cap) instead of r (stop-gradient factor).
-        weight = (tis_cap / ratio.detach()).clamp_max(1.0)
+    if proximal_logprobs is not None:  # the mismatch factor rho = exp(proximal - behaviour), corrected
+        weight = anchored_factor(anchor - behav, m, corr, segment_ids)
+    else:  # the ratio carries rho: a stop-gradient factor turns its gradient weight r into c
+        weight = current_ratio_weight(ratio, m, corr)
     per_token = torch.where(m, per_token * weight, 0.0)
 
     r = ratio.detach()
@@ -152,6 +159,7 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
         clipped_high=m & (adv > 0) & (r > 1.0 + eps_high),
         is_weight=torch.where(m, weight, 0.0),
         mask=m,
+        is_masked=m & (weight == 0) if corr.kind == "token_mask" else None,
     )
 
 
@@ -191,7 +199,8 @@ def clipped_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages:
                        eps_low: float = 0.2, eps_high: float = 0.28, *,
                        normalizer: Normalizer = None, level: Level = "token",
                        proximal_logprobs: Tensor | None = None,
-                       tis_cap: float | None = None) -> Tensor:
+                       tis_cap: float | None = None, correction: ISCorrection | None = None,
+                       segment_ids: Tensor | None = None) -> Tensor:
     """Scalar token-normalised clipped surrogate loss (Magistral's GRPO objective, negated).
 
     logprobs: `[B, T]` log pi_theta of the sampled tokens (requires grad).
@@ -202,7 +211,8 @@ def clipped_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages:
         (float, int or 0-dim tensor); None -> mask.sum() of this call.
     """
     terms = token_loss_terms(logprobs, behaviour_logprobs, advantages, mask, eps_low, eps_high,
-                             proximal_logprobs=proximal_logprobs, tis_cap=tis_cap)
+                             proximal_logprobs=proximal_logprobs, tis_cap=tis_cap,
+                             correction=correction, segment_ids=segment_ids)
     return aggregate(terms.loss, terms.mask, normalizer, level)
 
 
@@ -210,8 +220,10 @@ def clipped_token_loss_with_stats(logprobs: Tensor, behaviour_logprobs: Tensor, 
                                   mask: Tensor, eps_low: float = 0.2, eps_high: float = 0.28, *,
                                   normalizer: Normalizer = None, level: Level = "token",
                                   proximal_logprobs: Tensor | None = None,
-                                  tis_cap: float | None = None) -> tuple[Tensor, LossStats]:
+                                  tis_cap: float | None = None, correction: ISCorrection | None = None,
+                                  segment_ids: Tensor | None = None) -> tuple[Tensor, LossStats]:
     """`clipped_token_loss` plus its LossStats, computed from the same per-token terms."""
     terms = token_loss_terms(logprobs, behaviour_logprobs, advantages, mask, eps_low, eps_high,
-                             proximal_logprobs=proximal_logprobs, tis_cap=tis_cap)
+                             proximal_logprobs=proximal_logprobs, tis_cap=tis_cap,
+                             correction=correction, segment_ids=segment_ids)
     return aggregate(terms.loss, terms.mask, normalizer, level), terms.stats()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_rl.algo.correction import ISCorrection
 from megatron_rl.algo.kl import kl_k2_segment_sum
 from megatron_rl.algo.loss import clipped_token_loss
 
@@ -31,6 +32,7 @@ class TokenInputs:
     proximal: Tensor | None  # [N] or None
     shape: tuple[int, int]
     kl: "SequenceKL | None" = None  # flattened to [N] tensors
+    segments: Tensor | None = None  # int64 [N]: which sequence each token is of (one id space)
 
 
 @dataclass
@@ -112,7 +114,8 @@ def pad_columns(grad: Tensor, shard: VocabShard) -> Tensor:
 
 
 def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, mask,
-                         proximal_logprobs=None, kl: SequenceKL | None = None) -> TokenInputs:
+                         proximal_logprobs=None, kl: SequenceKL | None = None,
+                         segment_ids: Tensor | None = None) -> TokenInputs:
     """Check [B, T] shapes/dtypes and flatten; advantages may be [B] or [B, T]."""
     b, t = batch_shape
     for name, x in (("targets", targets), ("behaviour_logprobs", behaviour_logprobs), ("mask", mask)):
@@ -130,10 +133,9 @@ def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, m
         for name, x in (("kl.ref_logprobs", kl.ref_logprobs), ("kl.segment_ids", kl.segment_ids)):
             if tuple(x.shape) != (b, t):
                 raise ValueError(f"{name} must be [B, T] = {(b, t)}, got {tuple(x.shape)}")
-        # one segment id space over all rows: a sequence never spans two rows
-        seg = kl.segment_ids.to(torch.int64) + (torch.arange(b, device=kl.segment_ids.device) *
-                                                (int(kl.segment_ids.max()) + 1 if kl.segment_ids.numel() else 0))[:, None]
-        kl = SequenceKL(kl.ref_logprobs.reshape(-1).detach(), seg.reshape(-1), float(kl.weight))
+        kl = SequenceKL(kl.ref_logprobs.reshape(-1).detach(), _flat_segments(kl.segment_ids), float(kl.weight))
+    if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
+        raise ValueError(f"segment_ids must be [B, T] = {(b, t)}, got {tuple(segment_ids.shape)}")
     return TokenInputs(
         targets=targets.reshape(-1).to(torch.int64).contiguous(),
         behaviour=behaviour_logprobs.reshape(-1).detach(),
@@ -142,7 +144,16 @@ def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, m
         proximal=None if proximal_logprobs is None else proximal_logprobs.reshape(-1).detach(),
         shape=(b, t),
         kl=kl,
+        segments=None if segment_ids is None else _flat_segments(segment_ids),
     )
+
+
+def _flat_segments(segment_ids: Tensor) -> Tensor:
+    """[B, T] per-row sequence ids -> [N] ids in one space over all rows (a sequence never spans two rows)."""
+    b = segment_ids.shape[0]
+    width = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    seg = segment_ids.to(torch.int64) + (torch.arange(b, device=segment_ids.device) * width)[:, None]
+    return seg.reshape(-1)
 
 
 def check_targets(tok: TokenInputs, vocab_size: int) -> None:
@@ -175,15 +186,18 @@ def reduce_stats(row_max: Tensor, row_sum: Tensor, target_logit: Tensor, shard: 
 
 
 def loss_and_coef(logp: Tensor, tok: TokenInputs, sl: slice, eps_low: float, eps_high: float,
-                  normalizer, tis_cap: float | None, need_coef: bool):
-    """Reference loss of tokens `sl` (token-level, with the minibatch normaliser) and d loss/d logp."""
+                  normalizer, correction: ISCorrection, need_coef: bool):
+    """Reference loss of tokens `sl` (token-level, with the minibatch normaliser) and d loss/d logp.
+    A sequence-level correction needs whole sequences: `sl` must then cover every token (no chunking)."""
     lp = logp.detach().requires_grad_(need_coef)
+    if correction.kind == "sequence_tis" and sl != slice(None):
+        raise ValueError("is_correction: sequence_tis needs whole sequences, not token chunks")
     with torch.enable_grad():
         loss = clipped_token_loss(
             lp[None], tok.behaviour[sl][None], tok.advantages[sl][None], tok.mask[sl][None],
             eps_low, eps_high, normalizer=normalizer,
             proximal_logprobs=None if tok.proximal is None else tok.proximal[sl][None],
-            tis_cap=tis_cap,
+            correction=correction, segment_ids=None if tok.segments is None else tok.segments[sl][None],
         )
         if tok.kl is not None:
             loss = loss + tok.kl.weight * kl_k2_segment_sum(lp, tok.kl.ref_logprobs[sl], tok.mask[sl],

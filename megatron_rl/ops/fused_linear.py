@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_rl.algo.correction import ISCorrection
+
 from . import _backend
 from ._core import (VocabShard, check_targets, flatten_token_inputs, loss_and_coef, reduce_stats,
                     resolve_normalizer, shard_lse_stats)
@@ -39,7 +41,7 @@ class _FusedLinearClippedLoss(torch.autograd.Function):
             targets = tok.targets[a:b]
             lse, target_logit = reduce_stats(*shard_lse_stats(logits, targets, shard), shard)
             part, coef = loss_and_coef(target_logit - lse, tok, slice(a, b), eps_low, eps_high,
-                                       normalizer, tis_cap, need_h or need_w)
+                                       normalizer, ISCorrection("token_tis", tis_cap), need_h or need_w)
             loss = loss + part.to(loss.dtype)
             if not (need_h or need_w):
                 continue

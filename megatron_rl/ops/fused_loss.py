@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_rl.algo.correction import ISCorrection
+
 from . import _backend
 from ._core import (SequenceKL, VocabShard, check_targets, flatten_token_inputs, loss_and_coef, pad_columns,
                     real_columns, reduce_stats, resolve_normalizer, shard_lse_stats)
@@ -21,13 +23,13 @@ from ._core import (SequenceKL, VocabShard, check_targets, flatten_token_inputs,
 
 class _FusedClippedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok, eps_low, eps_high, normalizer, tis_cap, shard, inplace_backward):
+    def forward(ctx, logits, tok, eps_low, eps_high, normalizer, correction, shard, inplace_backward):
         z = real_columns(logits.reshape(-1, shard.size), shard)
         row_max, row_sum, target_logit = shard_lse_stats(z, tok.targets, shard)
         lse, target_logit = reduce_stats(row_max, row_sum, target_logit, shard)
         logp = target_logit - lse
         need_grad = ctx.needs_input_grad[0]
-        loss, coef = loss_and_coef(logp, tok, slice(None), eps_low, eps_high, normalizer, tis_cap,
+        loss, coef = loss_and_coef(logp, tok, slice(None), eps_low, eps_high, normalizer, correction,
                                    need_grad)
         if need_grad:
             ctx.save_for_backward(z, tok.targets, lse, coef)
@@ -53,7 +55,8 @@ def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tens
                        mask: Tensor, eps_low: float = 0.2, eps_high: float = 0.28, tp_group=None, *,
                        normalizer=None, inplace_backward: bool = False, tis_cap: float | None = None,
                        proximal_logprobs: Tensor | None = None, vocab_size: int | None = None,
-                       return_logprobs: bool = False, kl: SequenceKL | None = None):
+                       return_logprobs: bool = False, kl: SequenceKL | None = None,
+                       correction: ISCorrection | None = None, segment_ids: Tensor | None = None):
     """Scalar loss equal (value and gradient) to
     `clipped_token_loss(log_softmax(logits).gather(targets), behaviour_logprobs, advantages, mask, ...)`.
 
@@ -74,17 +77,23 @@ def fused_clipped_loss(logits: Tensor, targets: Tensor, behaviour_logprobs: Tens
         (for ratio/clip statistics without a second pass): `(loss, logprobs)`.
     kl: a sequence-level k2 term to add (`SequenceKL`: reference logprobs, which sequence each token
         belongs to, weight); it is O(tokens) and enters the same per-token gradient coefficient.
+    correction, segment_ids: the importance-sampling correction (`algo.correction.ISCorrection`, in
+        place of `tis_cap`) and, for sequence_tis, which sequence of a packed row each token is of
+        (`[B, T]`; None: one sequence per row). As in `clipped_token_loss`.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V_local], got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if correction is not None and tis_cap is not None:
+        raise ValueError("pass tis_cap or correction, not both (the correction carries its cap)")
+    correction = correction if correction is not None else ISCorrection("token_tis", tis_cap)
     tok = flatten_token_inputs(logits.shape[:2], targets, behaviour_logprobs, advantages, mask,
-                               proximal_logprobs, kl)
+                               proximal_logprobs, kl, segment_ids)
     shard = VocabShard.of(logits.shape[-1], tp_group, vocab_size)
     check_targets(tok, shard.vocab_size)
     norm = resolve_normalizer(tok.mask, normalizer)
-    loss, logp = _FusedClippedLoss.apply(logits, tok, eps_low, eps_high, norm, tis_cap, shard,
+    loss, logp = _FusedClippedLoss.apply(logits, tok, eps_low, eps_high, norm, correction, shard,
                                          inplace_backward)
     return (loss, logp) if return_logprobs else loss
 

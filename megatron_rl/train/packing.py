@@ -92,6 +92,8 @@ class PackedMicroBatch:
     # labels: the trainer's logprobs of the weights at the update start, and the reference policy's.
     proximal_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    # long [1, T]: weight version that sampled each label (-1: not a completion token, or unknown)
+    weight_versions: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -181,6 +183,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     loss_mask = torch.zeros(length, dtype=torch.float32)
     blp = torch.zeros(length, dtype=torch.float32)
     adv = torch.zeros(length, dtype=torch.float32)
+    versions = torch.full((length,), -1, dtype=torch.long)
     segment_ids = torch.full((length,), len(indices), dtype=torch.long)
     temps = [float(seqs[i].temperature) for i in indices]
     temperature = torch.ones(length, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
@@ -197,6 +200,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         loss_mask[start + p - 1:start + n - 1] = 1.0
         blp[start + p - 1:start + n - 1] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         adv[start + p - 1:start + n - 1] = float(advantages[i])
+        if s.weight_versions:
+            versions[start + p - 1:start + n - 1] = torch.tensor(s.weight_versions, dtype=torch.long)
         segment_ids[start:start + n] = j
         if temperature is not None:
             temperature[start:start + n] = temps[j]
@@ -210,7 +215,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         loss_mask=loss_mask.unsqueeze(0), behaviour_logprobs=blp.unsqueeze(0), advantages=adv.unsqueeze(0),
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         seq_indices=list(indices), n_real_tokens=start,
-        temperature=None if temperature is None else temperature.unsqueeze(0))
+        temperature=None if temperature is None else temperature.unsqueeze(0),
+        weight_versions=versions.unsqueeze(0))
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,

@@ -27,6 +27,11 @@ The same machinery runs SFT (`objective="sft"`: cross-entropy on completion toke
 chunked `train.logprobs.token_logprobs`).
 Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
 so every rank returns the same numbers.
+Mismatch metrics (`algo.mismatch`): trainer logprobs of the update start's weights vs the generator's,
+by version lag, from the proximal pass when one ran, else from the loss forward's own logprobs where
+the weights are still `ctx.policy_version` (`ctx.weights_at_version`: an update's first minibatch).
+The importance-sampling correction (`algo.correction`) goes to the fused loss with the packed row's
+sequence boundaries (for sequence_tis).
 Devices: `prepare_minibatch` moves the packed micro-batches to the model's device once
 (`train.device.model_device`); the loss statistics, the metric and count reductions are made there too,
 so the collectives send tensors the process group can carry (CUDA on NCCL, CPU on gloo).
@@ -42,7 +47,9 @@ from typing import Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.algo import mismatch
 from megatron_rl.algo.advantages import normalize
+from megatron_rl.algo.correction import is_correction
 from megatron_rl.algo.loss import clipped_token_loss_with_stats
 from megatron_rl.config import AlgoConfig, TrainerConfig
 from megatron_rl.records import TrainSequence
@@ -54,7 +61,7 @@ from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStat
 Objective = Literal["rl", "sft"]
 # Reduced per micro-batch: sums, then mins/maxes (order matters for the all-reduce below).
 _SUM_KEYS = ("loss_sum", "n_tokens", "clip_low", "clip_high", "ratio_sum", "entropy_sum", "logprob_sum",
-             "kl_sum", "seq_count", "is_weight_sum")
+             "kl_sum", "seq_count", "is_weight_sum", "is_masked_sum")
 _MIN_KEYS = ("ratio_min",)
 _MAX_KEYS = ("ratio_max",)
 
@@ -69,6 +76,11 @@ class StepContext:
     vocab_size: int
     use_thd: bool = False  # packed THD attention (Transformer Engine); explicit masks otherwise
     kl_weight: float = 0.0  # weight of the sequence-level k2 term in this minibatch's token-sum loss
+    policy_version: int = 0  # the trainer's version (updates done): token lag = policy_version - its version
+    # the weights are exactly those of policy_version (first minibatch of an update, or an evaluation):
+    # the loss forward's logprobs then give the mismatch metrics when no proximal pass ran
+    weights_at_version: bool = False
+
 
 
 @dataclass
@@ -123,22 +135,42 @@ def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx
     kl = None
     if algo.kl_mode == "k2":
         kl = SequenceKL(mb.ref_logprobs, mb.segment_ids[None], ctx.kl_weight)
+    # the proximal logprobs anchor the ratio only with proximal: trainer (else they serve the KL/metrics)
+    proximal = mb.proximal_logprobs if algo.proximal == "trainer" else None
+    correction, segments = is_correction(algo), mb.segment_ids[None]
     loss_sum, logp = fused_clipped_loss(
         logits, mb.labels, mb.behaviour_logprobs, mb.advantages, mask, algo.eps_low, algo.eps_high,
-        tp_group, normalizer=1.0, vocab_size=ctx.vocab_size, tis_cap=algo.tis_cap,
-        proximal_logprobs=mb.proximal_logprobs, kl=kl,
+        tp_group, normalizer=1.0, vocab_size=ctx.vocab_size, correction=correction, segment_ids=segments,
+        proximal_logprobs=proximal, kl=kl,
         # the gradient overwrites the logits buffer: nothing reads the logits after this loss
         inplace_backward=True, return_logprobs=True)
     with torch.no_grad():  # O(tokens): the surrogate's statistics on the same logprobs
         _, st = clipped_token_loss_with_stats(logp, mb.behaviour_logprobs, mb.advantages, mask,
                                               algo.eps_low, algo.eps_high, normalizer=1.0,
-                                              proximal_logprobs=mb.proximal_logprobs, tis_cap=algo.tis_cap)
+                                              proximal_logprobs=proximal, correction=correction,
+                                              segment_ids=segments)
         kl_sum = (torch.where(mask, logp - mb.ref_logprobs, 0.0).sum() if mb.ref_logprobs is not None
                   else torch.zeros((), device=logp.device))
     stats = {"clip_low": st.clip_frac_low * st.n_tokens, "clip_high": st.clip_frac_high * st.n_tokens,
              "ratio_sum": st.ratio_mean * st.n_tokens, "ratio_min": st.ratio_min, "ratio_max": st.ratio_max,
-             "kl_sum": kl_sum, "is_weight_sum": st.is_weight_mean * st.n_tokens}
+             "kl_sum": kl_sum, "is_weight_sum": st.is_weight_mean * st.n_tokens,
+             "is_masked_sum": st.is_masked_frac * st.n_tokens}
     return loss_sum, logp, stats
+
+
+def _mismatch_stats(mb: PackedMicroBatch, logp: torch.Tensor | None, mask: torch.Tensor,
+                    ctx: StepContext) -> dict[str, torch.Tensor]:
+    """Per-lag mismatch sums of this micro-batch (zeros when it has no logprobs of the update start)."""
+    start = mb.proximal_logprobs if mb.proximal_logprobs is not None else (
+        logp if ctx.weights_at_version else None)
+    if start is None or mb.weight_versions is None:
+        n_bins = mismatch.LAG_BINS + 1
+        return {"mismatch_sums": torch.zeros(n_bins * len(mismatch.SUM_FIELDS), device=mask.device),
+                "mismatch_max": torch.zeros(n_bins, device=mask.device)}
+    versions = mb.weight_versions
+    lag = torch.where(versions >= 0, ctx.policy_version - versions, -1)
+    sums, maxes = mismatch.mismatch_sums(start, mb.behaviour_logprobs, lag, mask)
+    return {"mismatch_sums": sums.reshape(-1), "mismatch_max": maxes}
 
 
 def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, output: torch.Tensor):
@@ -168,7 +200,7 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
         zero = torch.zeros((), dtype=torch.float32, device=dev)
         one = torch.ones((), dtype=torch.float32, device=dev)
         stats = {"clip_low": zero, "clip_high": zero, "ratio_sum": n.float(), "ratio_min": one,
-                 "ratio_max": one, "kl_sum": zero, "is_weight_sum": n.float()}
+                 "ratio_max": one, "kl_sum": zero, "is_weight_sum": n.float(), "is_masked_sum": zero}
     with torch.no_grad():
         reduced = {"loss_sum": loss_sum.detach().float(), "n_tokens": n.float(),
                    "entropy_sum": (torch.where(mask, entropy, 0.0).sum().float() if entropy is not None
@@ -176,6 +208,7 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
                    "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float(),
                    "seq_count": torch.tensor(float(len(mb.seq_indices)), device=dev)}
         reduced.update({k: v.float() for k, v in stats.items()})
+        reduced.update(_mismatch_stats(mb, logp.detach() if objective == "rl" else None, mask, ctx))
     # the schedule backpropagates loss_sum; finalize_model_grads divides grads by the summed count
     return loss_sum, n.to(torch.int), reduced
 
@@ -192,15 +225,19 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
     from megatron.core import parallel_state as ps
 
     big = torch.finfo(torch.float32).max
-    sums = torch.zeros(len(_SUM_KEYS), device=device)
+    n_bins = mismatch.LAG_BINS + 1
+    n_mm = n_bins * len(mismatch.SUM_FIELDS)
+    # the mismatch sums and maxima ride in the same tensors (and collectives) as the scalar ones;
+    # |d| >= 0, so 0 is the neutral start of their maxima
+    sums = torch.zeros(len(_SUM_KEYS) + n_mm, device=device)
     mins = torch.full((len(_MIN_KEYS),), big, device=device)
-    maxs = torch.full((len(_MAX_KEYS),), -big, device=device)
+    maxs = torch.cat([torch.full((len(_MAX_KEYS),), -big, device=device), torch.zeros(n_bins, device=device)])
     for d in stores:
         if float(d["n_tokens"]) == 0:
             continue
-        sums += torch.stack([d[k] for k in _SUM_KEYS])
+        sums += torch.cat([torch.stack([d[k] for k in _SUM_KEYS]), d["mismatch_sums"]])
         mins = torch.minimum(mins, torch.stack([d[k] for k in _MIN_KEYS]))
-        maxs = torch.maximum(maxs, torch.stack([d[k] for k in _MAX_KEYS]))
+        maxs = torch.maximum(maxs, torch.cat([torch.stack([d[k] for k in _MAX_KEYS]), d["mismatch_max"]]))
     if dist.is_initialized():
         dp = ps.get_data_parallel_group()
         dist.all_reduce(sums, group=dp)
@@ -210,7 +247,9 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
             flat = torch.cat([sums, mins, maxs])
             last = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(flat, src=last, group=ps.get_pipeline_model_parallel_group())
-            sums, mins, maxs = flat.split([len(_SUM_KEYS), len(_MIN_KEYS), len(_MAX_KEYS)])
+            sums, mins, maxs = flat.split([len(sums), len(mins), len(maxs)])
+    sums, mm_sums = sums.split([len(_SUM_KEYS), n_mm])
+    maxs, mm_max = maxs.split([len(_MAX_KEYS), n_bins])
     s = dict(zip(_SUM_KEYS, sums.tolist()))
     n = max(s["n_tokens"], 1.0)
     out = {
@@ -223,8 +262,11 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
         out["entropy"] = s["entropy_sum"] / n
     if ctx.algo.kl_mode != "none":  # per-sequence k1 estimate of KL(policy || reference)
         out["kl"] = s["kl_sum"] / max(s["seq_count"], 1.0)
-    if ctx.algo.proximal == "trainer":  # mean truncated importance weight exp(proximal - behaviour)
+    if ctx.algo.proximal == "trainer" or is_correction(ctx.algo).active:  # mean corrected IS weight
         out["is_weight_mean"] = s["is_weight_sum"] / n
+    if ctx.algo.is_correction == "token_mask":  # tokens whose ratio left the band: out of the loss
+        out["is_masked_frac"] = s["is_masked_sum"] / n
+    out.update(mismatch.metrics(mm_sums.cpu(), mm_max.cpu()))
     return out
 
 

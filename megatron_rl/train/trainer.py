@@ -13,12 +13,14 @@ update runs the logprob passes it needs before its optimizer steps (`train.updat
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from megatron_rl.algo import mismatch
 from megatron_rl.config import Config
 from megatron_rl.records import Batch, TrainSequence
 from megatron_rl.train import checkpoint as ckpt
@@ -83,17 +85,21 @@ class Trainer:
         minibatches = split_minibatches(seqs, n_mini)
         if objective == "rl":  # trainer-side logprobs of the update start, KL in the reward
             minibatches = prepare_update(self.model, self.reference, minibatches, self.ctx)
-        for mb in minibatches:
+        for i, mb in enumerate(minibatches):
             set_lr(self.optimizer, self.config.trainer.lr)
-            m = run_minibatch(self.model, self.optimizer, mb, self.ctx, objective=objective)
+            # before the first step the weights are those of self.version (mismatch metrics, step.py)
+            ctx = dataclasses.replace(self.ctx, policy_version=self.version, weights_at_version=i == 0)
+            m = run_minibatch(self.model, self.optimizer, mb, ctx, objective=objective)
             self.step += 1
             m["step"] = float(self.step)
             steps.append(m)
         self.version += 1
         if self.reference is not None:
             self.reference.maybe_refresh(self.model_chunks, self.version, self.config.algo.kl_ref_refresh_every)
-        keys = [k for k in steps[0] if k != "step"]
+        # mismatch metrics: measured on some minibatches only, combined token-weighted
+        keys = [k for k in steps[0] if k != "step" and not k.startswith(mismatch.PREFIX)]
         summary: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps) for k in keys}
+        summary.update(mismatch.merge(steps))
         summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
         summary.update(version=self.version, step=self.step, steps=steps)
         return summary
@@ -116,7 +122,8 @@ class Trainer:
         """Loss/metrics of `seqs` under the current weights (no update)."""
         if objective == "rl":
             (seqs,) = prepare_update(self.model, self.reference, [list(seqs)], self.ctx)
-        return run_minibatch(self.model, self.optimizer, seqs, self.ctx, objective=objective, forward_only=True)
+        ctx = dataclasses.replace(self.ctx, policy_version=self.version, weights_at_version=True)
+        return run_minibatch(self.model, self.optimizer, seqs, ctx, objective=objective, forward_only=True)
 
     # ------------------------------------------------------------ checkpoints
     def save(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:

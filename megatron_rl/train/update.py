@@ -57,10 +57,8 @@ def prepare_update(model: list, reference, minibatches: list[list[TrainSequence]
             collect_logprobs(reference.chunks, p, ctx, "ref_logprobs")
     if algo.kl_mode == "reward":
         _apply_kl_reward(prepared, ctx, model_device(model))
-    if algo.proximal != "trainer":  # computed for the KL only: the ratio stays on the behaviour logprobs
-        for p in prepared:
-            for mb in p.packed.micro_batches:
-                mb.proximal_logprobs = None
+    # proximal logprobs computed for the KL only stay on the micro-batches: the mismatch metrics read
+    # them; the loss anchors its ratio on them only with algo.proximal: trainer (train.step)
     return prepared
 
 

@@ -143,7 +143,8 @@ def test_kl_in_the_reward_uses_a_leave_one_out_group_baseline(tiny_llama_dir):
     out, grad, prepared = megatron_step(trainer, seqs)
     got = {}
     for mb in prepared.packed.micro_batches:
-        assert mb.proximal_logprobs is None  # used for k1 only; the ratio stays on the behaviour logprobs
+        # kept for k1 and the mismatch metrics; the loss's ratio stays on the behaviour logprobs (step.py)
+        assert mb.proximal_logprobs is not None
         for j, local in enumerate(mb.seq_indices):
             sel = (mb.segment_ids == j) & (mb.loss_mask[0] > 0)
             got[prepared.share[local]] = float(mb.advantages[0, sel][0])

@@ -32,7 +32,8 @@ require_extension()
 g = torch.Generator().manual_seed(0)
 logits = torch.randn(2, 6, 50, generator=g) * 2
 targets = torch.randint(0, 50, (2, 6), generator=g)
-behaviour = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0] - 0.3 * torch.rand(2, 6, generator=g)
+exact = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+behaviour = exact - 0.3 * torch.rand(2, 6, generator=g)
 adv = torch.randn(2, 6, generator=g)
 mask = torch.rand(2, 6, generator=g) > 0.2
 loss = fused_clipped_loss(logits, targets, behaviour, adv, mask, 0.2, 0.28)
@@ -75,8 +76,8 @@ def test_wheel_installs_and_builds_csrc_outside_the_repo(tmp_path):
     help_text = _run([str(venv / "bin" / "megatron-rl"), "--help"], cwd=work)
     assert "train" in help_text and "plan" in help_text
 
-    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "MEGATRON_RL_OPS_BACKEND": "strict",
-           "MEGATRON_RL_EXT_DIR": str(tmp_path / "ext")}
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "MEGATRON_RL_OPS_BACKEND": "strict", "MEGATRON_RL_EXT_DIR": str(tmp_path / "ext")}
     out = json.loads(_run([str(py), "-c", CHECK], cwd=work, env=env).strip().splitlines()[-1])
     assert Path(out["package"]).is_relative_to(fresh_site)
     assert Path(out["csrc"]) == fresh_site / "megatron_rl" / "ops" / "csrc"

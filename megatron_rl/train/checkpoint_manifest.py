@@ -108,8 +108,10 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]] | None:
         body = json.loads(path.read_bytes())
         files = body["files"]
         ok = (body.get("manifest_version") == MANIFEST_VERSION and body.get("checksum") == "crc32"
-              and isinstance(files, dict) and body.get("files_crc32") == _files_crc(files))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+              and isinstance(files, dict) and body.get("files_crc32") == _files_crc(files)
+              and all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), str)
+                      for e in files.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"damaged checkpoint {ckpt}: {MANIFEST} cannot be read ({describe(e)})")
     if not ok:
         raise CheckpointError(f"damaged checkpoint {ckpt}: {MANIFEST} is damaged (its own CRC32 or version "

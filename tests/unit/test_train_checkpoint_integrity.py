@@ -113,7 +113,7 @@ def test_size_mode_checks_sizes_only(damaged):
         verify_checkpoint(step, "size")
 
 
-@pytest.mark.parametrize("damage", ["missing", "cut", "edited"])
+@pytest.mark.parametrize("damage", ["missing", "cut", "edited", "not a table"])
 def test_damaged_manifest(damaged, damage):
     trainer, root, step, shard = damaged
     manifest = step / "manifest.json"
@@ -121,6 +121,8 @@ def test_damaged_manifest(damaged, damage):
         manifest.unlink()  # common.pt records that the save wrote one
     elif damage == "cut":
         manifest.write_bytes(manifest.read_bytes()[:-20])
+    elif damage == "not a table":
+        manifest.write_text("[1, 2]")
     else:  # still valid JSON, but a size no longer matches the manifest's own CRC32
         body = json.loads(manifest.read_text())
         body["files"][shard.name]["size"] += 1

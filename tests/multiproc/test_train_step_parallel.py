@@ -131,6 +131,8 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
     for key, path in models.items():
         hf = hf_model(path)
         seqs = make_minibatch(hf, n=6, seed=0)  # token ids drawn from the whole (odd) vocab
+        # weight versions 1 and 0: evaluated after one update (version 1), lags 0 and 1 (mismatch metrics)
+        seqs = [dataclasses.replace(s, weight_versions=[1 - i % 2] * s.completion_len) for i, s in enumerate(seqs)]
         # two groups of two: each sample's leave-one-out KL baseline may sit on another DP rank
         train_seqs = [dataclasses.replace(s, group_id=f"g{i % 2}") for i, s in
                       enumerate(make_minibatch(hf, n=4, seed=3))]
@@ -179,8 +181,11 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
         assert reader.step == n_mini  # the update's optimizer steps (the manual one is not counted)
         assert reader.last_load.optimizer_loaded == (name == "dp2")  # dp_reshardable: only DP may change
         mine = reader.evaluate(seq_sets[model])
-        for key in ("loss", "entropy", "ratio_mean", "logprob_mean"):
-            assert mine[key] == pytest.approx(ranks[0]["after"][key], rel=1e-5, abs=1e-6), (name, key)
+        mismatch = [k for k in mine if k.startswith("mismatch/")]
+        assert len(mismatch) == 2 * 6  # lags 0 and 1, reduced over DP ranks and shared from the last stage
+        for key in ("loss", "entropy", "ratio_mean", "logprob_mean", *mismatch):
+            for r in ranks:
+                assert r["after"][key] == pytest.approx(mine[key], rel=1e-5, abs=1e-6), (name, key)
         # the KL-in-reward + decoupled update equals the same update in one process
         if ("kl", model, n_mini) not in tp1:
             single = Trainer(_config(models[model], algo=KL_ALGO))
@@ -189,7 +194,7 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
         want = tp1[("kl", model, n_mini)]
         assert abs(want["kl"]) > 1e-4  # the update moved the policy away from its reference
         for r in ranks:
-            for key in ("loss", "logprob_mean", "is_weight_mean", "ratio_mean"):
+            for key in ("loss", "logprob_mean", "is_weight_mean", "ratio_mean", *mismatch):
                 assert r["kl_after"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (name, key)
             # kl is a small difference of float32 logprob sums of magnitude ~250 per sequence set:
             # their rounding (~1e-5 each) bounds the agreement, not a relative 1e-4 of the small KL

@@ -9,6 +9,8 @@
 #   TORCH_CUDA_ARCH_LIST    GPU archs of the csrc/ build (default "9.0": H100/H200; e.g. "8.0;9.0")
 #   MEGATRON_RL_GPU_TE=0    skip Transformer Engine's torch extension (a source build without a
 #                           prebuilt wheel: long); the trainer then uses Megatron's local layer spec
+#   MEGATRON_RL_GPU_SYSTEM_SITE=1  a new venv sees the interpreter's packages (--system-site-packages):
+#                           the Dockerfile reuses its base image's torch and SGLang this way
 #   MAX_JOBS                parallel compile jobs (default: all cores)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,7 +36,8 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]]; then exit 0; fi
 if [[ ! -x "$VENV/bin/python" ]]; then
   command -v "$PY" >/dev/null || die "$PY not found: set MEGATRON_RL_GPU_PYTHON to a Python >= 3.12"
   log "creating $VENV with $PY"
-  "$PY" -m venv "$VENV"
+  SYSTEM_SITE=(); [[ "${MEGATRON_RL_GPU_SYSTEM_SITE:-0}" == 1 ]] && SYSTEM_SITE=(--system-site-packages)
+  "$PY" -m venv "${SYSTEM_SITE[@]}" "$VENV"
 fi
 VPY="$VENV/bin/python"
 "$VPY" -c 'import sys; assert sys.version_info >= (3, 12)' \

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from megatron_rl.algo.mismatch import PREFIX as MISMATCH_PREFIX
 from megatron_rl.config import LengthStage, RunConfig
 from megatron_rl.records import Rollout
 
@@ -92,7 +93,13 @@ def stage_metrics(stage: LengthStage) -> dict[str, int]:
 
 
 TRAIN_KEYS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
-              "grad_norm", "tokens_per_s", "padding_frac")
+              "grad_norm", "tokens_per_s", "padding_frac", "is_weight_mean", "is_masked_frac")
+
+
+def train_values(train_metrics: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's values a metrics line keeps: TRAIN_KEYS, and the trainer/generator mismatch
+    (`mismatch/lag<k>/...`, algo.mismatch) which the line carries under its own name."""
+    return {k: v for k, v in train_metrics.items() if k in TRAIN_KEYS or k.startswith(MISMATCH_PREFIX)}
 
 
 @dataclass
@@ -116,7 +123,8 @@ class UpdateWindow:
         row["grading/failed"] = sum(self.grading_failed.values())
         row.update({f"grading/failed/{status}": n for status, n in sorted(self.grading_failed.items())})
         row["grading/regraded"] = self.regraded
-        row.update({f"train/{k}": train_metrics[k] for k in TRAIN_KEYS if k in train_metrics})
+        row.update({k if k.startswith(MISMATCH_PREFIX) else f"train/{k}": v
+                    for k, v in train_values(train_metrics).items()})
         gen_total = self.gen_idle_s + self.gen_busy_s
         row["generator_idle_frac"] = self.gen_idle_s / gen_total if gen_total else None
         row["trainer_idle_frac"] = min(1.0, self.trainer_idle_s / wall)
@@ -130,7 +138,7 @@ class UpdateWindow:
         at run.updates, and when the run stops with updates since the previous line. Rollout statistics
         and idle fractions cover the whole window; per-update values are merged by `merge_updates`."""
         if train_metrics:
-            self.per_update.append(({k: train_metrics[k] for k in TRAIN_KEYS if k in train_metrics},
+            self.per_update.append((train_values(train_metrics),
                                     {**batch_stats, **{f"push/{k}": v for k, v in push_report.items()}}))
         if not self.per_update or (train_metrics and update % run.log_every and update < run.updates):
             return None

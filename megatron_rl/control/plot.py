@@ -12,6 +12,8 @@ PANELS = (
     ("loss / clip", ("train/loss", "train/clip_frac_low", "train/clip_frac_high")),
     ("staleness", ("staleness/mean", "staleness/max")),
     ("idle fraction", ("generator_idle_frac", "trainer_idle_frac")),
+    # trainer vs generator logprobs (docs/train.md "Trainer/generator mismatch")
+    ("logprob mismatch", ("mismatch/lag0/abs_mean", "mismatch/lag0/kl_k3", "mismatch/lag1/abs_mean")),
 )
 
 
@@ -26,7 +28,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not rows:
         raise FileNotFoundError(f"no metrics in {run_dir / METRICS_FILE}")
     x = [r.get("update", i) for i, r in enumerate(rows)]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    n_rows = -(-len(PANELS) // 3)
+    fig, axes = plt.subplots(n_rows, 3, figsize=(13, 3.5 * n_rows))
+    for ax in axes.flat[len(PANELS):]:
+        ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in keys:
             ys = [r.get(key) for r in rows]

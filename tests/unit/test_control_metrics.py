@@ -30,3 +30,23 @@ def test_jsonl_reader_skips_a_line_cut_by_a_crash(tmp_path):
     with path.open("a") as f:
         f.write('{"update": 2, "x"')
     assert read_jsonl(path) == [{"update": 1, "x": None}]
+
+
+def test_mismatch_metrics_reach_the_line_and_the_curves(tmp_path):
+    """The trainer's mismatch/... values go to metrics.jsonl under their own names (a line over two
+    updates: max of maxima, mean of means) and are drawn by `megatron-rl plot`."""
+    from megatron_rl.config import RunConfig
+    from megatron_rl.control.plot import PANELS, plot_run
+
+    w = UpdateWindow(graded=[_rollout(1.0, 1.0, [1, 2])])
+    run = RunConfig(log_every=2, updates=4)
+    first = {"loss": 0.5, "mismatch/lag0/abs_mean": 1e-3, "mismatch/lag0/abs_max": 4e-3, "is_masked_frac": 0.1}
+    assert w.line(run, 1, 1, first, {}, {}) is None
+    row = w.line(run, 2, 2, {**first, "mismatch/lag0/abs_mean": 3e-3, "mismatch/lag0/abs_max": 2e-3}, {}, {})
+    assert row["mismatch/lag0/abs_mean"] == pytest.approx(2e-3) and row["mismatch/lag0/abs_max"] == 4e-3
+    assert row["train/is_masked_frac"] == pytest.approx(0.1) and "train/mismatch/lag0/abs_mean" not in row
+    assert any("mismatch/lag0/abs_mean" in keys for _, keys in PANELS)
+    writer = JsonlWriter(tmp_path / "metrics.jsonl")
+    writer.write(row)
+    writer.close()
+    assert plot_run(tmp_path).stat().st_size > 0

@@ -219,6 +219,20 @@ class TrainerConfig:
     checkpoint_verify: Literal["checksum", "size"] = "checksum"
     # Metrics: the policy entropy costs one extra read-only pass over the logits per micro-batch.
     log_entropy: bool = True
+    # Megatron sequence parallel (needs tensor_parallel > 1): norms, dropouts and the residual stream
+    # hold 1/TP of the tokens on each TP rank (all-gather / reduce-scatter in place of all-reduce);
+    # packed bins are padded to a multiple of TP. Same values and gradients as off (docs/train.md).
+    sequence_parallel: bool = False
+    # Activation recompute (Megatron's recompute_granularity): none; selective = the core attention
+    # of every layer is recomputed in the backward (not kept); full = only the inputs of groups of
+    # `recompute_num_layers` layers are kept and each group is re-run in the backward.
+    recompute: Literal["none", "selective", "full"] = "none"
+    # full recompute only (Megatron's recompute_method): uniform = every layer of the stage, in groups of
+    # recompute_num_layers; block = only the first recompute_num_layers layers of each stage (the rest keep
+    # their activations: less recompute, more memory).
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    # full recompute only: layers per recomputed group (uniform) or recomputed layers per stage (block)
+    recompute_num_layers: int = 1
 
     def validate(self, key: str) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
@@ -233,6 +247,11 @@ class TrainerConfig:
         check(self.checkpoint_optimizer in ("fully_reshardable", "dp_reshardable"),
                f"{key}.checkpoint_optimizer", "must be fully_reshardable or dp_reshardable")
         check(self.checkpoint_verify in ("checksum", "size"), f"{key}.checkpoint_verify", "must be checksum or size")
+        check(not self.sequence_parallel or self.tensor_parallel > 1, f"{key}.sequence_parallel",
+              "needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
+        check(self.recompute in ("none", "selective", "full"), f"{key}.recompute", "must be none, selective or full")
+        check(self.recompute_method in ("uniform", "block"), f"{key}.recompute_method", "must be uniform or block")
+        check(self.recompute_num_layers >= 1, f"{key}.recompute_num_layers", "must be >= 1")
 
 
 @dataclass

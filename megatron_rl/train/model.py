@@ -2,8 +2,9 @@
 
 API:
 - `model_dims(hf_config, tp=1) -> ModelDims`: the HF shapes plus the padded shapes Megatron uses.
-- `build_model(hf_config, layout, dtype=torch.float32, *, use_te=None) -> list[GPTModel]`: this
-  rank's model chunks (one per virtual pipeline stage; one chunk without VPP). Call
+- `build_model(hf_config, layout, dtype=torch.float32, *, use_te=None, recompute=None) -> list[GPTModel]`:
+  this rank's model chunks (`layout.sequence_parallel` and `recompute`, a `Recompute`, set the
+  activation-memory options of their TransformerConfig) (one per virtual pipeline stage; one chunk without VPP). Call
   `init_parallel(layout)` first. Each chunk carries `chunk.mrl_dims` (ModelDims) and
   `chunk.mrl_vp_stage`. Weights are random: load them with `hf_weights.load_hf_weights`.
 - `forward_logits(chunk, input_ids, position_ids=None, attention_mask=None)`: one forward of a chunk;
@@ -22,6 +23,11 @@ llama-3 scaling; only its fixed low/high frequency factors 1/4 and 8192 original
 does so, else folded into the softmax scale as mscale^2). Other types raise `UnsupportedModelError`.
 
 Specs: Transformer Engine layers on GPU when TE imports (use_te=None), the local spec otherwise.
+
+Activation memory (docs/train.md): sequence parallel comes from the layout; `Recompute` maps
+trainer.recompute to Megatron's options. Selective recompute checkpoints `self_attention.core_attention`
+whatever module that is, so on the local spec it re-runs `attention.SegmentCausalAttention` in the
+backward (tests/unit/test_train_recompute.py counts its forwards).
 """
 from __future__ import annotations
 
@@ -78,6 +84,40 @@ class ModelDims:
     @property
     def padded_num_heads(self) -> int:
         return self.padded_num_kv_heads * self.heads_per_group
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recompute of the training forward (trainer.recompute, recompute_method,
+    recompute_num_layers). `none` keeps every activation; `selective` recomputes the core attention of
+    every layer in the backward; `full` keeps only the input of each group of `num_layers` layers
+    (`uniform`: every layer of a stage, group by group) or of the first `num_layers` layers of each
+    stage (`block`: the others keep everything) and re-runs the group in the backward."""
+
+    granularity: str = "none"  # none | selective | full
+    method: str = "uniform"  # full only: uniform | block
+    num_layers: int = 1  # full only
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("none", "selective", "full"):
+            raise ValueError(f"recompute {self.granularity!r}: none, selective or full")
+        if self.method not in ("uniform", "block") or self.num_layers < 1:
+            raise ValueError(f"recompute_method {self.method!r} / recompute_num_layers {self.num_layers}: "
+                             "uniform or block, and >= 1 layers")
+
+    @classmethod
+    def from_trainer(cls, trainer_config) -> "Recompute":
+        t = trainer_config
+        return cls(t.recompute, t.recompute_method, t.recompute_num_layers)
+
+    def config_kwargs(self) -> dict:
+        """TransformerConfig fields."""
+        if self.granularity == "none":
+            return {}
+        if self.granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        return {"recompute_granularity": "full", "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}
 
 
 def _round_up(n: int, m: int) -> int:
@@ -176,10 +216,11 @@ def _megatron_applies_yarn_mscale() -> bool:
 
 
 def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
-                       use_te: bool | None = None):
+                       use_te: bool | None = None, recompute: Recompute | None = None):
     """Megatron's TransformerConfig for `dims` under `layout`. Fusions, batched p2p and CPU init come
     from `platform.megatron_kernel_options` (the machine's facts); `use_te`: the TE layer spec is used
-    (default: TE importable on GPU, as `layer_spec`)."""
+    (default: TE importable on GPU, as `layer_spec`); sequence parallel from the layout, activation
+    recompute from `recompute` (default none)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_rl.platform import megatron_kernel_options
@@ -206,10 +247,11 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         attention_softmax_in_fp32=True,
         window_size=(dims.sliding_window - 1, 0) if dims.sliding_window else None,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        sequence_parallel=layout.sequence_parallel,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
         pipeline_dtype=dtype, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        **kernels,
+        **kernels, **(recompute or Recompute()).config_kwargs(),
     )
     if dims.rope.kind == "yarn":  # GPTModel reads these with getattr (they live on MLA configs)
         config.yarn_rotary_scaling_factor = dims.rope.factor
@@ -242,7 +284,7 @@ def layer_spec(use_te: bool | None = None, segment_attention: bool = True):
 
 
 def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
-                use_te: bool | None = None) -> list:
+                use_te: bool | None = None, recompute: Recompute | None = None) -> list:
     """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -255,7 +297,7 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
     dims = model_dims(hf_config, layout.tp)
     if use_te is None:
         use_te = te_available()
-    config = transformer_config(dims, layout, dtype, use_te=use_te)
+    config = transformer_config(dims, layout, dtype, use_te=use_te, recompute=recompute)
     spec = layer_spec(use_te)
     rope = dims.rope
     position_type = "yarn" if rope.kind == "yarn" else "rope"

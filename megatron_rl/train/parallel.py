@@ -1,7 +1,9 @@
 """torch.distributed + Megatron-Core parallel state for the trainer (TP x PP x DP, optional VPP).
 
 API:
-- `ParallelLayout(tp=1, pp=1, dp=1, vpp=None)`: the layout; `world_size = tp * pp * dp`.
+- `ParallelLayout(tp=1, pp=1, dp=1, vpp=None, sequence_parallel=False)`: the layout;
+  `world_size = tp * pp * dp`. Sequence parallel (tp > 1) splits the tokens of the norms, dropouts
+  and residual stream over the TP ranks; it changes no group, only the model's TransformerConfig.
 - `init_parallel(layout, backend=None, seed=1234) -> ParallelLayout`: starts torch.distributed if
   it is not running (env:// when launched by torchrun/srun-style env vars, else a 1-rank group on a
   free loopback port), applies the CPU shims when there is no GPU, initialises Megatron's
@@ -13,6 +15,7 @@ API:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ class ParallelLayout:
     pp: int = 1
     dp: int = 1
     vpp: int | None = None  # virtual pipeline stages per PP rank (interleaved 1F1B); None = plain
+    sequence_parallel: bool = False  # Megatron sequence parallel over the TP group (needs tp > 1)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
@@ -39,6 +43,8 @@ class ParallelLayout:
                 raise ValueError(f"ParallelLayout.vpp must be >= 1 or None, got {self.vpp}")
             if self.pp < 2 and self.vpp > 1:
                 raise ValueError("ParallelLayout.vpp > 1 needs pp >= 2 (interleaved pipeline)")
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError("ParallelLayout.sequence_parallel needs tp > 1")
 
     @property
     def world_size(self) -> int:
@@ -85,7 +91,7 @@ def init_parallel(layout: ParallelLayout, backend: str | None = None, seed: int 
     if layout.dp == 0:
         if world % (layout.tp * layout.pp):
             raise ValueError(f"world size {world} is not divisible by tp*pp={layout.tp * layout.pp}")
-        layout = ParallelLayout(layout.tp, layout.pp, world // (layout.tp * layout.pp), layout.vpp)
+        layout = dataclasses.replace(layout, dp=world // (layout.tp * layout.pp))
     if layout.world_size != world:
         raise ValueError(f"layout tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = "
                          f"{layout.world_size} does not match the world size {world}")

@@ -46,18 +46,19 @@ class Trainer:
     def __init__(self, config: Config, *, hf_config=None, load_weights: bool = True,
                  keep_checkpoints: int = 3, backend: str | None = None):
         from megatron_rl.train.hf_source import resolve_model
-        from megatron_rl.train.model import build_model, te_available
+        from megatron_rl.train.model import Recompute, build_model, te_available
 
         self.config = config
         t = config.trainer
         self.layout = init_parallel(ParallelLayout(t.tensor_parallel, t.pipeline_parallel, t.data_parallel,
-                                                   t.virtual_pipeline), backend=backend, seed=t.seed)
+                                                   t.virtual_pipeline, t.sequence_parallel),
+                                    backend=backend, seed=t.seed)
         source = None
         if hf_config is None or load_weights:
             source = resolve_model(t.model)
             hf_config = hf_config or source.config()
         self.hf_config = hf_config
-        chunks = build_model(hf_config, self.layout, precision_dtype(t))
+        chunks = build_model(hf_config, self.layout, precision_dtype(t), recompute=Recompute.from_trainer(t))
         if load_weights:
             from megatron_rl.train.hf_weights import load_hf_weights
 

@@ -6,7 +6,7 @@ Same hardware, model, prompts and heavy-tailed completion lengths in both modes:
   request (`max_new_tokens` from a bounded Pareto on [low, ratio * low], `ignore_eos`);
 - trainer: the real Megatron-Core `Trainer` on the same model in this process, pinned to core
   `--train-core` (so are this process's HTTP client threads); weights pushed in place after every
-  update with `sync.update.push_weights` (`WeightSender`, gloo) from the trainer's HF export;
+  update with `sync.update.push_in_process` (`WeightSender`, gloo) from the trainer's HF export;
 - bookkeeping: the controller's own `RolloutBudget` (groups, staleness bound, batches).
 Sync: issue the groups of one batch, wait for all of them, train, push. Async: keep `n_async`
 sequences in flight; the trainer (a thread) trains whenever `n_batch` are ready, then pushes while
@@ -79,10 +79,11 @@ class Bench:
         return Problem(f"p{self.serial}", "", {})
 
     def _issue_group(self, budget) -> None:
-        for req in budget.start_group(self._problem()):
+        group = budget.start_group(self._problem())
+        for i in range(budget.cfg.group_size):
             prompt = [self.rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]
             sp = {"max_new_tokens": self.draw(), "ignore_eos": True, "temperature": 1.0}
-            self.gen.submit(req.group_id, prompt, group_size=1, sampling=sp, sample_indices=[req.sample_index])
+            self.gen.submit(group.group_id, prompt, group_size=1, sampling=sp, sample_indices=[i])
 
     def _graded(self, budget, timeout: float) -> bool:
         r = self.gen.get(timeout=timeout)
@@ -96,14 +97,14 @@ class Bench:
         budget.add_graded(r)
 
     def _update(self, batch, res: ModeResult, measured: bool) -> None:
-        from megatron_rl.sync.update import push_weights
+        from megatron_rl.sync.update import push_in_process
         from megatron_rl.train.hf_weights import export_hf_tensors
 
         tokens = sum(len(s.token_ids) for s in batch.sequences)
         t0 = time.perf_counter()
         self.trainer.train_on(batch)
         t1 = time.perf_counter()
-        push_weights([self.gen], [(self.sender, export_hf_tensors(self.trainer.model_chunks))], self.trainer.version)
+        push_in_process([self.gen], [(self.sender, export_hf_tensors(self.trainer.model_chunks))], self.trainer.version)
         t2 = time.perf_counter()
         res.train.append((tokens, t1 - t0))
         res.push.append(t2 - t1)
@@ -246,7 +247,7 @@ def main() -> None:
     from megatron_rl.rollout.server import ServerSpec, SGLangServer
     from megatron_rl.sync.group import free_port
     from megatron_rl.sync.sender import WeightSender
-    from megatron_rl.sync.update import targets_of
+    from megatron_rl.sync.update import target_of
     from megatron_rl.train.trainer import Trainer
     from support.models import make_tiny_llama
 
@@ -271,7 +272,7 @@ def main() -> None:
             cfg = config_from_dict({"trainer": {"model": str(model), "precision": "fp32", "lr": 1e-5,
                                                 "micro_batch_tokens": 1024}})
             trainer = Trainer(cfg)
-            sender = WeightSender(0, targets_of([gen]), bucket_mb=64)
+            sender = WeightSender(0, [target_of(gen)], bucket_mb=64)
             print(f"set-up {time.perf_counter() - t0:.0f} s: model {args.layers} layers x {args.hidden} "
                   f"({sum(p.numel() for p in trainer.model_chunks[0].parameters()) / 1e6:.1f} M params); server on "
                   f"core {args.gen_core}, trainer on core {args.train_core}", flush=True)

@@ -3,7 +3,6 @@
 Compares, on the same [B, T] inputs (default B=64, T=4096, 30% padding, fp32 logprobs):
 - baseline: a straightforward eager implementation (exp, clamp, min, multiply by the float mask, sum);
 - reference: megatron_rl.algo.loss.clipped_token_loss (eager autograd, where()-masking, stats-ready);
-- lean: megatron_rl.algo.loss_lean.clipped_token_loss_lean (closed-form gradient, one saved tensor).
 Memory: bytes saved for backward (the activation memory the loss holds between forward and backward,
 measured with saved-tensor hooks, device independent) and the peak during fwd+bwd above the inputs
 (CUDA: max_memory_allocated; CPU/Linux: resident high-water mark, includes the 1 MiB-per-fp32 grad). Time: median over repetitions after warm-up. Prints ratios against the baseline.
@@ -24,7 +23,6 @@ import time
 import torch
 
 from megatron_rl.algo.loss import clipped_token_loss
-from megatron_rl.algo.loss_lean import clipped_token_loss_lean
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -39,10 +37,6 @@ def baseline(logprobs, behaviour, adv, mask):
 
 def reference(logprobs, behaviour, adv, mask):
     return clipped_token_loss(logprobs, behaviour, adv, mask, EPS_LOW, EPS_HIGH)
-
-
-def lean(logprobs, behaviour, adv, mask):
-    return clipped_token_loss_lean(logprobs, behaviour, adv, mask, EPS_LOW, EPS_HIGH)
 
 
 def make_inputs(B, T, dtype, device, seed=0):
@@ -123,7 +117,7 @@ def cpu_peak(fn, inputs):
     return (_status_kib("VmHWM") - base) * 1024
 
 
-IMPLS = (("baseline", baseline), ("reference", reference), ("lean", lean))
+IMPLS = (("baseline", baseline), ("reference", reference))
 
 
 def cpu_peaks_in_child() -> dict:
@@ -158,13 +152,12 @@ def main() -> None:
 
     # Same value and gradient first: a faster wrong loss is worthless.
     grads = []
-    for fn in (baseline, reference, lean):
+    for fn in (baseline, reference):
         lp = inputs[0].detach().requires_grad_(True)
         v = fn(lp, *inputs[1:])
         v.backward()
         grads.append((v.item(), lp.grad.float()))
-    (vb, gb), (vr, gr), (vl, gl) = grads
-    assert abs(vl - vr) <= 1e-6 * max(1.0, abs(vr)) and torch.allclose(gl, gr, rtol=1e-5, atol=1e-12)
+    (vb, gb), (vr, gr) = grads
     # The baseline computes in the input dtype; ours upcast. In bf16 the rounded ratio flips the clip
     # decision of tokens right at 1 - eps_low / 1 + eps_high, so allow a few such tokens there.
     tol, flips = (1e-5, 0.0) if dtype == torch.float32 else (2e-2, 0.01)

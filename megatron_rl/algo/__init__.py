@@ -4,7 +4,6 @@
   normalisation (`normalize`, token- or sequence-weighted), `compute_group_advantages(rewards, cfg)`.
 - `loss`: the token-normalised clipped surrogate `clipped_token_loss` (the reference the fused op in
   `megatron_rl.ops` is checked against), per-token terms and clip/ratio statistics.
-- `loss_lean`: same value and gradient, closed-form backward, one saved tensor.
 - `kl`: optional KL whose gradient is the true grad KL(pi_theta || pi_ref) (k2 at the sequence level,
   or KL in the reward); its docstring explains why differentiating k1/k3 estimates is wrong.
 - `passk`: unbiased advantage estimator for pass@k / max@k training.

@@ -158,8 +158,10 @@ class GroupAdvantages:
 
 def compute_group_advantages(rewards: Tensor, cfg) -> GroupAdvantages:
     """Rewards `[n_groups, G]` -> advantages per the AlgoConfig-like `cfg` (duck-typed so `algo/`
-    imports nothing but torch): `pass_at_k` selects the pass@k estimator, else r - group mean
-    (divided by the group std if `adv_norm` is "group"); `drop_non_diverse_groups` filters constant groups.
+    imports nothing but torch): the one group-advantage rule of a run (control/budget.py applies it
+    to each finished group). `pass_at_k` selects the pass@k estimator, with k clamped to G (a k
+    above the group size trains pass@G), else r - group mean (divided by the group std if `adv_norm`
+    is "group"); `drop_non_diverse_groups` filters constant groups.
     Minibatch normalisation (`normalize`, with cfg.adv_norm / cfg.adv_norm_weighting) comes later,
     per optimizer minibatch.
     """
@@ -172,7 +174,7 @@ def compute_group_advantages(rewards: Tensor, cfg) -> GroupAdvantages:
                            n_dropped=0)
     kept = rewards[filt.keep]
     if cfg.pass_at_k is not None:
-        adv = pass_at_k_advantages(kept, cfg.pass_at_k)
+        adv = pass_at_k_advantages(kept, min(cfg.pass_at_k, rewards.shape[1]))
     else:
         adv = group_advantages(kept, std=cfg.adv_norm == "group")
     return GroupAdvantages(advantages=adv, keep=filt.keep, n_dropped=filt.n_dropped)

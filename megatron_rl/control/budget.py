@@ -19,19 +19,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl.algo.advantages import filter_non_diverse, group_advantages
-from megatron_rl.algo.passk import pass_at_k_advantages
+from megatron_rl.algo.advantages import compute_group_advantages
 from megatron_rl.config import AlgoConfig, RolloutConfig
 from megatron_rl.records import Batch, Problem, Rollout, TrainSequence
-
-
-@dataclass
-class SampleRequest:
-    """One completion to generate: what the controller sends to a generator."""
-
-    group_id: str
-    sample_index: int
-    problem_id: str
 
 
 @dataclass
@@ -107,28 +97,28 @@ class RolloutBudget:
             return 0
         return max(0, (self.cfg.n_async - self.in_flight) // self.cfg.group_size)
 
-    def start_group(self, problem: Problem) -> list[SampleRequest]:
+    def start_group(self, problem: Problem) -> PendingGroup:
+        """A new group of `group_size` samples of `problem` (indices 0 .. G-1), counted in flight."""
         self._group_serial += 1
-        group_id = f"{problem.problem_id}#{self._group_serial}"
-        self.groups[group_id] = PendingGroup(group_id, problem)
+        group = PendingGroup(f"{problem.problem_id}#{self._group_serial}", problem)
+        self.groups[group.group_id] = group
         self.counters.groups_started += 1
-        return [SampleRequest(group_id, i, problem.problem_id) for i in range(self.cfg.group_size)]
+        return group
 
-    def outstanding_requests(self) -> list[SampleRequest]:
-        """Every sample issued but not graded (what to re-issue after a generator restart)."""
-        return [SampleRequest(g.group_id, i, g.problem.problem_id)
-                for g in self.groups.values() for i in range(self.cfg.group_size) if not g.has(i)]
+    def outstanding_samples(self) -> list[tuple[str, int]]:
+        """(group id, sample index) of every sample issued but not back (what to re-issue on resume)."""
+        return [(g.group_id, i) for g in self.groups.values() for i in range(self.cfg.group_size) if not g.has(i)]
 
     # ------------------------------------------------------------------ results
     def add_graded(self, rollout: Rollout) -> str | None:
-        """Record a graded sample (Rollout.problem_id carries the group id). Returns the group's fate
+        """Record a graded sample of group `rollout.group_id`. Returns the group's fate
         once complete: "kept", "non_diverse", "grading_failed" (see add_failed); None while samples are
         missing. Duplicates are ignored."""
-        group = self.groups.get(rollout.problem_id)
+        group = self.groups.get(rollout.group_id)
         if group is None or group.has(rollout.sample_index):
             return None  # late duplicate of a re-issued sample, or an unknown group
         if rollout.reward is None:
-            raise ValueError(f"rollout {rollout.problem_id}/{rollout.sample_index} has no reward")
+            raise ValueError(f"rollout {rollout.group_id}/{rollout.sample_index} has no reward")
         group.rollouts[rollout.sample_index] = rollout
         if not self._close(group):
             return None
@@ -136,14 +126,12 @@ class RolloutBudget:
             return "grading_failed"
         samples = [group.rollouts[i] for i in range(self.cfg.group_size)]
         rewards = torch.tensor([[s.reward for s in samples]], dtype=torch.float64)
-        if self.algo.drop_non_diverse_groups and not bool(filter_non_diverse(rewards).keep[0]):
+        adv = compute_group_advantages(rewards, self.algo)
+        if adv.n_dropped:
             self.counters.groups_dropped_non_diverse += 1
             return "non_diverse"
-        if self.algo.pass_at_k:
-            adv = pass_at_k_advantages(rewards, min(self.algo.pass_at_k, self.cfg.group_size))[0]
-        else:
-            adv = group_advantages(rewards, std=self.algo.adv_norm == "group")[0]
-        self.ready.extend(ReadySequence(s, float(a), group.group_id) for s, a in zip(samples, adv.tolist()))
+        self.ready.extend(ReadySequence(s, float(a), group.group_id)
+                          for s, a in zip(samples, adv.advantages[0].tolist()))
         self._problems[group.group_id] = group.problem
         return "kept"
 

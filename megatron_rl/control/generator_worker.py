@@ -10,56 +10,53 @@ import time
 from pathlib import Path
 
 from megatron_rl.config import Config
-from megatron_rl.control.protocol import GenerateRequest, GeneratorStatus, RolloutsReport, SampleSpec, Tag, WorkerFailure
+from megatron_rl.control.mailbox import CONTROLLER, Mailbox
+from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, GeneratorStatus, Paused, PauseForUpdate,
+                                          Resumed, RolloutsReport, Stop, WorkerFailure)
+from megatron_rl.records import SampleRequest
 from megatron_rl.rollout.client import ServerUnreachable
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
+from megatron_rl.sync.update import target_of
 
 
 def _status(gen: Generator) -> GeneratorStatus:
-    return GeneratorStatus(gen.generator_id, gen.server.url, gen.incarnation, gen.version, gen.needs_weight_sync)
+    return GeneratorStatus(target_of(gen), gen.version)
 
 
-def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
-                   gpus: tuple[int, ...] = (), poll_s: float = 0.01) -> None:
-    """`host`: this rank's node address; the server listens there and the controller and trainers
-    reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus)."""
-    from mpi4py import MPI
-
+def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
+                gpus: tuple[int, ...] = ()) -> ServerSpec:
     g = cfg.generator
-    spec = ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
+    return ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), tp_size=g.tp_size,
                       host=host, gpu_ids=gpus)
-    gen = Generator(SGLangServer(spec), cfg.rollout, g, generator_id=index)
-    rank = comm.Get_rank()
+
+
+def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
+                   gpus: tuple[int, ...] = (), poll_s: float = 0.01) -> None:
+    """`host`: this rank's node address; the server listens there and the controller and trainers
+    reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus)."""
+    spec = server_spec(cfg, index, model_dir, run_dir, port, host, gpus)
+    gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index)
+    rank = mailbox.rank
     try:
         _check_gpus(gpus, rank)
         gen.start()
     except Exception as e:
-        comm.send(WorkerFailure("generator", rank, f"SGLang server failed to start: {e}"), dest=0, tag=Tag.FAILED)
-        _wait_for_stop(comm)
+        mailbox.fail(WorkerFailure.of("generator", rank, "SGLang server failed to start", e))
+        mailbox.wait_for_stop()
         return
-    comm.send(_status(gen), dest=0, tag=Tag.GEN_STATUS)
+    mailbox.send(CONTROLLER, _status(gen))
     incarnation = gen.incarnation
-    status = MPI.Status()
     idle_s = busy_s = 0.0
     last = time.perf_counter()
     try:
         while True:
-            while comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
-                tag = status.Get_tag()
-                msg = comm.recv(source=0, tag=tag)
-                if tag == Tag.STOP:
+            for _, msg in mailbox.poll(source=CONTROLLER):
+                if isinstance(msg, Stop):
                     return
-                if tag == Tag.GENERATE:
-                    _submit(gen, msg)
-                elif tag == Tag.UPDATE_BEGIN:
-                    _with_live_server(gen, gen.begin_update)
-                    comm.send(_status(gen), dest=0, tag=Tag.UPDATE_READY)
-                elif tag == Tag.UPDATE_FINISH:
-                    _with_live_server(gen, lambda: gen.finish_update(int(msg)), retry=False)
-                    comm.send(_status(gen), dest=0, tag=Tag.UPDATE_DONE)
+                _obey(mailbox, gen, msg)
             finished = []
             item = gen.get(timeout=poll_s)
             while item is not None:
@@ -72,20 +69,32 @@ def generator_loop(comm, cfg: Config, index: int, model_dir: str, run_dir: Path,
                 busy_s += now - last
             last = now
             if finished:
-                comm.send(RolloutsReport(finished, idle_s, busy_s), dest=0, tag=Tag.ROLLOUTS)
+                mailbox.send(CONTROLLER, RolloutsReport(finished, idle_s, busy_s))
                 idle_s = busy_s = 0.0
             if gen.incarnation != incarnation:  # the server died and was restarted with disk weights
                 incarnation = gen.incarnation
-                comm.send(_status(gen), dest=0, tag=Tag.GEN_STATUS)
-    except GeneratorDied as e:
-        unfinished = [SampleSpec(s.problem_id, s.sample_index, s.prompt_ids) for s in e.unfinished]
-        comm.send(WorkerFailure("generator", rank, str(e), unfinished, fatal=False), dest=0, tag=Tag.FAILED)
-        _wait_for_stop(comm)
+                mailbox.send(CONTROLLER, _status(gen))
+    except GeneratorDied as e:  # its samples are the controller's to re-issue elsewhere
+        mailbox.fail(WorkerFailure.of("generator", rank, "server died", e, fatal=False))
+        mailbox.wait_for_stop()
     except Exception as e:
-        comm.send(WorkerFailure("generator", rank, f"{type(e).__name__}: {e}"), dest=0, tag=Tag.FAILED)
-        _wait_for_stop(comm)
+        mailbox.fail(WorkerFailure.of("generator", rank, "generation failed", e))
+        mailbox.wait_for_stop()
     finally:
         gen.close()
+
+
+def _obey(mailbox: Mailbox, gen: Generator, msg: object) -> None:
+    if isinstance(msg, GenerateRequest):
+        _submit(gen, msg)
+    elif isinstance(msg, PauseForUpdate):
+        _with_live_server(gen, gen.begin_update)
+        mailbox.send(CONTROLLER, Paused(_status(gen)))
+    elif isinstance(msg, FinishUpdate):
+        _with_live_server(gen, lambda: gen.finish_update(msg.version), retry=False)
+        mailbox.send(CONTROLLER, Resumed(_status(gen)))
+    else:
+        raise RuntimeError(f"generator: unexpected {type(msg).__name__}")
 
 
 def _check_gpus(gpus: tuple[int, ...], rank: int) -> None:
@@ -113,21 +122,9 @@ def _with_live_server(gen: Generator, action, retry: bool = True) -> None:
 
 
 def _submit(gen: Generator, request: GenerateRequest) -> None:
-    by_group: dict[str, list[SampleSpec]] = {}
+    by_group: dict[str, list[SampleRequest]] = {}
     for s in request.samples:
         by_group.setdefault(s.group_id, []).append(s)
-    for group_id, specs in by_group.items():
-        gen.submit(group_id, specs[0].prompt_ids, sampling=request.sampling,
-                   sample_indices=[s.sample_index for s in specs])
-
-
-def _wait_for_stop(comm, poll_s: float = 0.05) -> None:
-    from mpi4py import MPI
-
-    status = MPI.Status()
-    while True:
-        if comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
-            comm.recv(source=0, tag=status.Get_tag())
-            if status.Get_tag() == Tag.STOP:
-                return
-        time.sleep(poll_s)
+    for group_id, samples in by_group.items():
+        gen.submit(group_id, samples[0].prompt_ids, sampling=request.sampling,
+                   sample_indices=[s.sample_index for s in samples])

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any
 
 from megatron_rl.config import RewardConfig
 from megatron_rl.control.metrics import UpdateWindow
-from megatron_rl.control.protocol import GradeItem, RunFailed, Tag
+from megatron_rl.control.mailbox import CONTROLLER, Mailbox
+from megatron_rl.control.protocol import GradeItem, Graded, Key, RunFailed, Stop, WorkerFailure
 from megatron_rl.records import Rollout
 from megatron_rl.reward import VerifierPool
 
-Key = tuple[str, int]  # (group id, sample index)
 
-
-def _grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[tuple[str, int], dict]]:
-    """Grade a GRADE message (what both LocalGrader and verifier ranks run)."""
+def grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[Key, dict]]:
+    """Grade items (what both LocalGrader and verifier ranks run)."""
     results = pool.map([{"task": it.task, "response": it.response, "num_tokens": it.num_tokens,
                          "l_max": it.l_max, "l_cache": it.l_cache}
                         for it in items])
@@ -106,7 +104,7 @@ class LocalGrader:
     def __init__(self, config: RewardConfig):
         self.pool = VerifierPool(config).start()
         self._in: queue.Queue[GradeItem | None] = queue.Queue()
-        self._out: queue.Queue[tuple[tuple[str, int], dict]] = queue.Queue()
+        self._out: queue.Queue[tuple[Key, dict]] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="grader", daemon=True)
         self._thread.start()
@@ -124,7 +122,7 @@ class LocalGrader:
                         self._in.put(None)
                         break
                     items.append(nxt)
-                for result in _grade(self.pool, items):
+                for result in grade(self.pool, items):
                     self._out.put(result)
         except BaseException as e:  # surfaced by poll(): grading must never fail silently
             self._error = e
@@ -133,7 +131,7 @@ class LocalGrader:
         for it in items:
             self._in.put(it)
 
-    def poll(self) -> list[tuple[tuple[str, int], dict]]:
+    def poll(self) -> list[tuple[Key, dict]]:
         if self._error is not None:
             raise RuntimeError(f"grading thread failed: {self._error}") from self._error
         out = []
@@ -147,17 +145,15 @@ class LocalGrader:
         self.pool.close()
 
 
-def verifier_loop(comm, config: RewardConfig, poll_s: float = 0.01) -> None:
-    """Body of a verifier rank: grade GRADE lists from the controller until STOP."""
-    from mpi4py import MPI
-
-    status = MPI.Status()
-    with VerifierPool(config) as pool:
-        while True:
-            if not comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
-                time.sleep(poll_s)
-                continue
-            msg = comm.recv(source=0, tag=status.Get_tag())
-            if status.Get_tag() == Tag.STOP:
-                return
-            comm.send(_grade(pool, msg), dest=0, tag=Tag.GRADED)
+def verifier_loop(mailbox: Mailbox, config: RewardConfig, poll_s: float = 0.01) -> None:
+    """Body of a verifier rank: grade what the controller sends until it says Stop."""
+    try:
+        with VerifierPool(config) as pool:
+            while True:
+                for _, msg in mailbox.poll(timeout_s=poll_s, source=CONTROLLER):
+                    if isinstance(msg, Stop):
+                        return
+                    mailbox.send(CONTROLLER, Graded(grade(pool, msg.items)))
+    except Exception as e:
+        mailbox.fail(WorkerFailure.of("verifier", mailbox.rank, "grading failed", e))
+        mailbox.wait_for_stop()

@@ -48,7 +48,9 @@ class RankLayout:
         return list(range(start, start + self.verifiers))
 
     @property
-    def trainer_lead(self) -> int:
+    def first_trainer(self) -> int:
+        """The trainer the controller talks to: it shares each command with the other trainers and
+        answers for them all; the trainers' rendezvous is on its node."""
         return 1
 
     def role(self, rank: int) -> Role:

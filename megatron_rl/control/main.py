@@ -66,9 +66,9 @@ def prepare_run(cfg: Config, layout: RankLayout) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpi4py import MPI
+    from megatron_rl.control.mailbox import Mailbox, world
 
-    comm = MPI.COMM_WORLD
+    comm = world()
     rank = comm.Get_rank()
     args = parse_args(argv)
     setup = None
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     setup = comm.bcast(setup, root=0)
     if "error" in setup:
         return 1
-    lead = layout.trainer_lead
+    first = layout.first_trainer
     # the trainers meet on the first trainer's node; it holds the bound socket until its store adopts it
-    listener = bind_listener(nodes[lead].addr) if rank == lead else None
-    master_port = comm.bcast(listener.getsockname()[1] if listener else None, root=lead)
+    listener = bind_listener(nodes[first].addr) if rank == first else None
+    master_port = comm.bcast(listener.getsockname()[1] if listener else None, root=first)
     role = layout.role(rank)
     gpus = assign_gpus([layout.role(r) for r in range(layout.world_size)], nodes, cfg.generator.tp_size)[rank]
     if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
@@ -98,27 +98,29 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(setup["run_dir"])
     if role == "controller":
         return _run_controller(comm, cfg, layout, run_dir, setup)
+    mailbox = Mailbox(comm)
     if role == "trainer":
         from megatron_rl.control.trainer_worker import TrainerPlace, trainer_loop
 
         place = TrainerPlace(layout.trainer_ranks.index(rank), layout.trainers, gpus[0],
-                             nodes[rank].addr, nodes[lead].addr, master_port)
-        trainer_loop(comm, cfg, place, setup["resume_root"], listener)
+                             nodes[rank].addr, nodes[first].addr, master_port)
+        trainer_loop(mailbox, cfg, place, listener)
     elif role == "generator":
         from megatron_rl.control.generator_worker import generator_loop
 
         index = layout.generator_ranks.index(rank)
-        generator_loop(comm, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index],
+        generator_loop(mailbox, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index],
                        nodes[rank].addr, gpus)
     else:
         from megatron_rl.control.grading import verifier_loop
 
-        verifier_loop(comm, cfg.reward)
+        verifier_loop(mailbox, cfg.reward)
     return 0
 
 
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:
-    from megatron_rl.control.controller import Controller, RunFailed, write_summary
+    from megatron_rl.control.controller import Controller, RunFailed, stop_workers, write_summary
+    from megatron_rl.control.mailbox import Mailbox
     from megatron_rl.data import iter_problems
     from megatron_rl.train.hf_source import resolve_model
 
@@ -147,8 +149,7 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
         if controller is not None:
             controller.shutdown()
         else:
-            for r in range(1, layout.world_size):
-                comm.send(None, dest=r, tag=18)  # Tag.STOP
+            stop_workers(Mailbox(comm), layout)
     return code
 
 

@@ -1,50 +1,27 @@
 """MPI messages between the controller (rank 0) and the worker ranks.
 
-Every message is a small dataclass pickled by mpi4py; the tag says what it is. Workers never talk
-to each other over MPI: trainers use torch.distributed among themselves and towards the generators'
-weight-update groups; everything else goes through the controller.
+Every message is a small dataclass pickled by mpi4py; its MPI tag is derived from its type (`Tag`,
+one per message class: `tag_of`), so a receiver can wait for one kind and no call site names a
+number. Workers never talk to each other over MPI: the trainers share commands and weights over
+torch.distributed; everything else goes through the controller (control/mailbox.py sends them).
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from megatron_rl.records import Batch, Rollout
+from megatron_rl.records import Batch, Rollout, SampleRequest
+from megatron_rl.sync.sender import SyncTarget
+
+Key = tuple[str, int]  # (group id, sample index)
 
 
-class Tag(IntEnum):
-    GENERATE = 1  # ctrl -> gen: GenerateRequest
-    ROLLOUTS = 2  # gen -> ctrl: RolloutsReport
-    GEN_STATUS = 3  # gen -> ctrl: GeneratorStatus (start-up, after a restart)
-    UPDATE_BEGIN = 4  # ctrl -> gen: None (pause + open the weight-update session)
-    UPDATE_READY = 5  # gen -> ctrl: GeneratorStatus
-    UPDATE_FINISH = 6  # ctrl -> gen: int version
-    UPDATE_DONE = 7  # gen -> ctrl: GeneratorStatus
-    TRAIN = 8  # ctrl -> trainers: Batch
-    TRAINED = 9  # trainer lead -> ctrl: dict metrics
-    PUSH = 10  # ctrl -> trainers: PushRequest
-    PUSHED = 11  # trainer lead -> ctrl: dict report
-    SAVE = 12  # ctrl -> trainers: SaveRequest
-    SAVED = 13  # trainer lead -> ctrl: str checkpoint path
-    LOAD = 14  # ctrl -> trainers: str checkpoint root
-    LOADED = 15  # trainer lead -> ctrl: dict extra state saved with the checkpoint
-    GRADE = 16  # ctrl -> verifier: list[GradeItem]
-    GRADED = 17  # verifier -> ctrl: list[tuple[key, RewardBreakdown dict]]
-    STOP = 18  # ctrl -> all: None
-    FAILED = 19  # any -> ctrl: WorkerFailure
-
-
-@dataclass
-class SampleSpec:
-    group_id: str
-    sample_index: int
-    prompt_ids: list[int]
-
-
+# ---------------------------------------------------------------- controller <-> generators
 @dataclass
 class GenerateRequest:
-    samples: list[SampleSpec]
+    samples: list[SampleRequest]
     sampling: dict[str, Any] = field(default_factory=dict)  # overrides, e.g. max_new_tokens
 
 
@@ -57,29 +34,80 @@ class RolloutsReport:
 
 @dataclass
 class GeneratorStatus:
-    generator_id: int
-    url: str
-    incarnation: int
+    """A generator's server: where senders reach it (its incarnation counts restarts) and the
+    weight version it serves. Sent at start-up and after a server restart."""
+
+    target: SyncTarget
     version: int
-    needs_weight_sync: bool = False
-    reissued: list[SampleSpec] = field(default_factory=list)
+
+
+@dataclass
+class PauseForUpdate:
+    """Pause in place and open the weight-update session."""
+
+
+@dataclass
+class Paused:
+    status: GeneratorStatus
+
+
+@dataclass
+class FinishUpdate:
+    version: int
+
+
+@dataclass
+class Resumed:
+    status: GeneratorStatus
+
+
+# ---------------------------------------------------------------- controller <-> first trainer
+@dataclass
+class TrainRequest:
+    batch: Batch
+
+
+@dataclass
+class Trained:
+    metrics: dict[str, Any]  # "version" is the trainer's new policy version
 
 
 @dataclass
 class PushRequest:
     version: int
-    targets: list[tuple[str, int, int]]  # (url, tp_size, incarnation) of every generator
+    targets: list[SyncTarget]  # every live generator
+
+
+@dataclass
+class Pushed:
+    report: dict[str, Any]
 
 
 @dataclass
 class SaveRequest:
     root: str
-    extra: dict[str, Any]
+    extra: dict[str, Any]  # saved with the checkpoint (the controller's state)
 
 
 @dataclass
+class Saved:
+    path: str
+
+
+@dataclass
+class LoadRequest:
+    root: str
+
+
+@dataclass
+class Loaded:
+    extra: dict[str, Any]
+
+
+# ---------------------------------------------------------------- controller <-> verifiers
+@dataclass
 class GradeItem:
-    key: tuple[str, int]  # (group id, sample index)
+    key: Key
     task: dict[str, Any]
     response: str
     num_tokens: int
@@ -89,18 +117,75 @@ class GradeItem:
 
 
 @dataclass
+class GradeRequest:
+    items: list[GradeItem]
+
+
+@dataclass
+class Graded:
+    results: list[tuple[Key, dict]]  # RewardBreakdown dicts
+
+
+# ---------------------------------------------------------------- any
+@dataclass
+class Stop:
+    """Controller -> every worker (trainers: the first, which passes it on): end the rank's loop."""
+
+
+@dataclass
 class WorkerFailure:
     role: str
     rank: int
-    error: str
-    unfinished: list[SampleSpec] = field(default_factory=list)
-    fatal: bool = True
+    error: str  # one line
+    trace: str = ""  # the formatted traceback on the failing rank
+    fatal: bool = True  # False: a generator whose samples the controller can re-issue elsewhere
+
+    @classmethod
+    def of(cls, role: str, rank: int, what: str, exc: BaseException, fatal: bool = True) -> "WorkerFailure":
+        return cls(role, rank, f"{what}: {type(exc).__name__}: {exc}",
+                   "".join(traceback.format_exception(exc)), fatal)
+
+    def describe(self) -> str:
+        trace = f"\n--- traceback on {self.role} rank {self.rank} ---\n{self.trace.rstrip()}" if self.trace else ""
+        return f"{self.role} rank {self.rank} failed: {self.error}{trace}"
+
+
+class Tag(IntEnum):
+    GENERATE = 1
+    ROLLOUTS = 2
+    GEN_STATUS = 3
+    PAUSE = 4
+    PAUSED = 5
+    FINISH = 6
+    RESUMED = 7
+    TRAIN = 8
+    TRAINED = 9
+    PUSH = 10
+    PUSHED = 11
+    SAVE = 12
+    SAVED = 13
+    LOAD = 14
+    LOADED = 15
+    GRADE = 16
+    GRADED = 17
+    STOP = 18
+    FAILED = 19
+
+
+MESSAGE_TYPES: dict[Tag, type] = {
+    Tag.GENERATE: GenerateRequest, Tag.ROLLOUTS: RolloutsReport, Tag.GEN_STATUS: GeneratorStatus,
+    Tag.PAUSE: PauseForUpdate, Tag.PAUSED: Paused, Tag.FINISH: FinishUpdate, Tag.RESUMED: Resumed,
+    Tag.TRAIN: TrainRequest, Tag.TRAINED: Trained, Tag.PUSH: PushRequest, Tag.PUSHED: Pushed,
+    Tag.SAVE: SaveRequest, Tag.SAVED: Saved, Tag.LOAD: LoadRequest, Tag.LOADED: Loaded,
+    Tag.GRADE: GradeRequest, Tag.GRADED: Graded, Tag.STOP: Stop, Tag.FAILED: WorkerFailure,
+}
+_TAGS = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
+assert len(_TAGS) == len(Tag) == len(MESSAGE_TYPES), "one tag per message class"
+
+
+def tag_of(message: object) -> Tag:
+    return _TAGS[type(message)]
 
 
 class RunFailed(RuntimeError):
     """A worker failed in a way the run cannot recover from; the message says which and why."""
-
-
-def batch_summary(batch: Batch) -> dict[str, float]:
-    lengths = [s.completion_len for s in batch.sequences]
-    return {"batch_sequences": float(len(lengths)), "batch_tokens": float(sum(lengths))}

@@ -1,21 +1,22 @@
 """Body of the trainer ranks: train on batches, push weights to the generators, save/load.
 
-All trainer ranks receive every command and run it collectively; rank `lead` (the first trainer)
-answers the controller. For a weight push, the first TP/DP rank of every pipeline stage sends its
-stage's layers to every generator (several senders in parallel); the other ranks take part in the
-TP gathers only.
+The controller sends each command once, to the first trainer; `CommandFanout` shares it with the
+other trainers over torch.distributed, all run it collectively, and the first trainer answers.
+A weight push is `sync.trainer_push.TrainerPush` (the first TP/DP rank of each pipeline stage sends).
 """
 from __future__ import annotations
 
 import os
-import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from megatron_rl.config import Config
-from megatron_rl.control.protocol import PushRequest, SaveRequest, Tag, WorkerFailure
+from megatron_rl.control.mailbox import CONTROLLER, Mailbox
+from megatron_rl.control.protocol import (LoadRequest, Loaded, PushRequest, Pushed, SaveRequest, Saved, Stop,
+                                          Trained, TrainRequest, WorkerFailure)
 
 
 @dataclass(frozen=True)
@@ -56,95 +57,70 @@ def _init_default_group(place: TrainerPlace, listener) -> None:
     dist.init_process_group(default_backend(), store=store, rank=place.rank, world_size=place.world)
 
 
-def trainer_loop(comm, cfg: Config, place: TrainerPlace, resume_root: str | None, listener=None,
-                 poll_s: float = 0.01) -> None:
-    """`listener`: on the first trainer, the socket its rendezvous store serves on."""
-    from mpi4py import MPI
+class CommandFanout:
+    """The first trainer's commands, shared with every trainer. Idle trainers wait between commands
+    (for as long as generation takes) in a broadcast on a CPU group with a long timeout; the command
+    itself then travels on the trainers' default group (NCCL on the model's device with CUDA)."""
 
+    IDLE_TIMEOUT = timedelta(days=30)
+
+    def __init__(self, mailbox: Mailbox, is_first: bool):
+        import torch
+
+        self.mailbox, self.is_first = mailbox, is_first
+        self._wait_group = dist.new_group(backend="gloo", timeout=self.IDLE_TIMEOUT)
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._queued: deque[object] = deque()  # on the first trainer: received, not yet shared
+
+    def next(self) -> object:
+        """The next command, on every trainer rank."""
+        box = [None]
+        if self.is_first:
+            while not self._queued:
+                self._queued.extend(m for _, m in self.mailbox.poll(timeout_s=60.0, source=CONTROLLER))
+            box = [self._queued.popleft()]
+        dist.broadcast(self._flag, src=0, group=self._wait_group)  # all wait here while the first waits on MPI
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def trainer_loop(mailbox: Mailbox, cfg: Config, place: TrainerPlace, listener=None) -> None:
+    """`listener`: on the first trainer, the socket its rendezvous store serves on."""
+    from megatron_rl.sync.trainer_push import TrainerPush
     from megatron_rl.train.trainer import Trainer
 
     _setup_dist_env(place)
-    lead = place.rank == 0
-    rank = comm.Get_rank()
+    first = place.rank == 0
+    rank = mailbox.rank
     try:
         _init_default_group(place, listener)
         trainer = Trainer(cfg)
-        pusher = _Pusher(trainer, cfg, place.node_addr)
+        pusher = TrainerPush(trainer.model_chunks, cfg.generator.bucket_mb, place.node_addr)
+        fanout = CommandFanout(mailbox, first)
     except Exception as e:
-        comm.send(WorkerFailure("trainer", rank, f"trainer set-up failed: {type(e).__name__}: {e}"), dest=0,
-                  tag=Tag.FAILED)
+        mailbox.fail(WorkerFailure.of("trainer", rank, "trainer set-up failed", e))
         return
-    status = MPI.Status()
     while True:
-        if not comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
-            time.sleep(poll_s)
-            continue
-        tag = status.Get_tag()
-        msg = comm.recv(source=0, tag=tag)
-        if tag == Tag.STOP:
+        command = fanout.next()
+        if isinstance(command, Stop):
             pusher.close()
             return
         try:
-            if tag == Tag.TRAIN:
-                metrics = trainer.train_on(msg)
-                reply, reply_tag = {k: v for k, v in metrics.items() if k != "steps"}, Tag.TRAINED
-            elif tag == Tag.PUSH:
-                reply, reply_tag = pusher.push(msg), Tag.PUSHED
-            elif tag == Tag.SAVE:
-                req: SaveRequest = msg
-                reply, reply_tag = str(trainer.save(req.root, req.extra)), Tag.SAVED
-            elif tag == Tag.LOAD:
-                reply, reply_tag = trainer.load(msg), Tag.LOADED
-            else:
-                raise RuntimeError(f"trainer: unexpected message tag {tag}")
+            reply = _run(trainer, pusher, command)
         except Exception as e:
-            comm.send(WorkerFailure("trainer", rank, f"{Tag(tag).name} failed: {type(e).__name__}: {e}"), dest=0,
-                      tag=Tag.FAILED)
+            mailbox.fail(WorkerFailure.of("trainer", rank, f"{type(command).__name__} failed", e))
             continue
-        if lead:
-            comm.send(reply, dest=0, tag=reply_tag)
+        if first:
+            mailbox.send(CONTROLLER, reply)
 
 
-class _Pusher:
-    """Weight sync from this trainer rank: a WeightSender on the first TP/DP rank of each stage."""
-
-    def __init__(self, trainer, cfg: Config, node_addr: str):
-        from megatron.core import parallel_state as ps
-
-        self.trainer, self.cfg, self.node_addr = trainer, cfg, node_addr
-        self.is_sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        self.stage = ps.get_pipeline_model_parallel_rank()
-        self.sender = None
-
-    def push(self, req: PushRequest) -> dict:
-        from megatron_rl.sync.sender import SyncTarget, WeightSender
-        from megatron_rl.train.hf_weights import export_hf_tensors, hf_names_of_stage
-
-        targets = [SyncTarget(url, tp, inc) for url, tp, inc in req.targets]
-        tensors = export_hf_tensors(self.trainer.model_chunks)  # collective over TP: every rank iterates
-        report = None
-        if self.is_sender:
-            if self.sender is None:
-                self.sender = WeightSender(self.stage, targets, bucket_mb=self.cfg.generator.bucket_mb,
-                                           address=self.node_addr)
-            else:
-                self.sender.retarget(targets)
-            report = self.sender.send(tensors)
-        else:
-            for _ in tensors:
-                pass
-        expected = set(hf_names_of_stage(self.trainer.model_chunks)) if self.is_sender else set()
-        sent = set(report.names) if report else set()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (sorted(expected), sorted(sent), report.bytes if report else 0,
-                                          report.seconds if report else 0.0))
-        want = set().union(*(set(g[0]) for g in gathered))
-        got = set().union(*(set(g[1]) for g in gathered))
-        if want - got:
-            raise RuntimeError(f"partial weight push: {len(want - got)} tensors not sent, e.g. {sorted(want - got)[:3]}")
-        return {"version": req.version, "tensors": len(got), "bytes": sum(g[2] for g in gathered),
-                "send_s": max(g[3] for g in gathered)}
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+def _run(trainer, pusher, command: object) -> object:
+    if isinstance(command, TrainRequest):
+        return Trained({k: v for k, v in trainer.train_on(command.batch).items() if k != "steps"})
+    if isinstance(command, PushRequest):
+        return Pushed(pusher.push(command.version, command.targets))
+    if isinstance(command, SaveRequest):
+        return Saved(str(trainer.save(command.root, command.extra)))
+    if isinstance(command, LoadRequest):
+        return Loaded(trainer.load(command.root))
+    raise RuntimeError(f"trainer: unexpected {type(command).__name__}")

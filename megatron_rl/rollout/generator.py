@@ -1,6 +1,6 @@
 """Generator worker: owns one SGLang server, samples G completions per prompt, streams `Rollout`s.
 
-- `submit(problem_id, prompt_ids)` queues G samples (one SGLang request each, so each completion
+- `submit(group_id, prompt_ids)` queues G samples (one SGLang request each, so each completion
   is streamed as soon as it finishes; the G requests share the prompt's prefix in the radix cache).
 - `get(timeout)` / `completions()` yield finished `Rollout`s with token ids, per-token behaviour
   logprobs (log_softmax(logits / T), as SGLang reports them) and per-token weight versions.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
 from megatron_rl.config import GeneratorConfig, RolloutConfig
-from megatron_rl.records import Rollout
+from megatron_rl.records import Rollout, SampleRequest
 from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
 from megatron_rl.rollout.outputs import parse_version, scoring_temperature, to_rollout
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
@@ -39,7 +39,7 @@ from megatron_rl.rollout.server import SGLangServer
 class GeneratorDied(RuntimeError):
     """The server died and was not (or could not be) restarted. `unfinished` can be re-submitted."""
 
-    def __init__(self, msg: str, unfinished: list["Sample"]):
+    def __init__(self, msg: str, unfinished: list[SampleRequest]):
         super().__init__(msg)
         self.unfinished = unfinished
 
@@ -50,11 +50,9 @@ class WeightUpdateError(RuntimeError):
 
 @dataclass
 class Sample:
-    """One pending completion request."""
+    """One pending completion: the request, its sampling parameters and its attempts on the server."""
 
-    problem_id: str
-    sample_index: int
-    prompt_ids: list[int]
+    request: SampleRequest
     sampling: dict[str, Any]
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     attempts: int = 0
@@ -133,7 +131,7 @@ class Generator:
             raise ValueError(f"max_new_tokens must be >= 1, got {sp.get('max_new_tokens')}")
         return sp
 
-    def submit(self, problem_id: str, prompt_ids: list[int], group_size: int | None = None,
+    def submit(self, group_id: str, prompt_ids: list[int], group_size: int | None = None,
                sampling: dict[str, Any] | None = None, sample_indices: list[int] | None = None) -> list[str]:
         """Queue G samples of one prompt (or exactly `sample_indices`, e.g. to re-issue part of a
         group); returns their request ids."""
@@ -145,10 +143,10 @@ class Generator:
         if g < 1:
             raise ValueError(f"group_size must be >= 1, got {g}")
         if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
-            raise ValueError(f"prompt_ids must be a non-empty list of token ids (problem {problem_id})")
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids (group {group_id})")
         sp = self.sampling_params(sampling)
         indices = list(range(g)) if sample_indices is None else list(sample_indices)
-        samples = [Sample(problem_id, i, list(prompt_ids), sp) for i in indices]
+        samples = [Sample(SampleRequest(group_id, i, list(prompt_ids)), sp) for i in indices]
         for s in samples:
             self._issue(s)
         return [s.rid for s in samples]
@@ -162,7 +160,7 @@ class Generator:
         try:
             self._send_gate.wait()
             incarnation = self.server.incarnation
-            body = {"input_ids": s.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
+            body = {"input_ids": s.request.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
                     "rid": f"{s.rid}-{s.attempts}", "cache_salt": self.cache.salt()}
             s.attempts += 1
             try:
@@ -170,8 +168,8 @@ class Generator:
             except ServerUnreachable as e:
                 self._on_unreachable(s, incarnation, e)
                 return
-            r = to_rollout(out, problem_id=s.problem_id, sample_index=s.sample_index,
-                           prompt_ids=s.prompt_ids, generator_id=self.generator_id,
+            r = to_rollout(out, group_id=s.request.group_id, sample_index=s.request.sample_index,
+                           prompt_ids=s.request.prompt_ids, generator_id=self.generator_id,
                            temperature=scoring_temperature(s.sampling))
             with self._lock:
                 self._pending.pop(s.rid, None)
@@ -239,7 +237,7 @@ class Generator:
 
     def _die(self, msg: str) -> None:
         with self._lock:
-            unfinished = list(self._pending.values())
+            unfinished = [s.request for s in self._pending.values()]
             self._pending.clear()
         self._dead = GeneratorDied(msg, unfinished)
         self._out.put(self._dead)
@@ -276,12 +274,6 @@ class Generator:
         self._update_mode = None
         c.resume()
         self._send_gate.set()
-
-    def fail_update(self, reason: str) -> WeightUpdateError:
-        """Record a failed update: the server stays paused (no sample continues on mixed weights).
-        The controller may retry the senders (session still open) or `restart()` the generator."""
-        return WeightUpdateError(f"generator {self.generator_id}: weight update failed, generation stays "
-                                 f"paused: {reason}")
 
     def restart(self) -> None:
         """Relaunch the server (weights from disk). Samples that were on the old server see their

@@ -49,7 +49,7 @@ def finish_reason(meta: dict) -> FinishReason:
     raise MalformedOutput(f"unknown finish_reason {fr!r}")
 
 
-def to_rollout(out: dict, *, problem_id: str, sample_index: int, prompt_ids: list[int],
+def to_rollout(out: dict, *, group_id: str, sample_index: int, prompt_ids: list[int],
                generator_id: int, temperature: float = 1.0) -> Rollout:
     meta = out.get("meta_info") or {}
     ids = out.get("output_ids")
@@ -64,7 +64,7 @@ def to_rollout(out: dict, *, problem_id: str, sample_index: int, prompt_ids: lis
         if tok != t:
             raise MalformedOutput(f"logprob entry for token {tok} where output has {t}")
     versions = expand_version_spans(meta.get("weight_versions"), len(ids), meta.get("weight_version"))
-    return Rollout(problem_id=problem_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
+    return Rollout(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
                    completion_ids=list(ids), behaviour_logprobs=[float(x[0]) for x in lps],
                    weight_versions=versions, finish_reason=finish_reason(meta),
                    text=out.get("text", ""), generator_id=generator_id, temperature=float(temperature))

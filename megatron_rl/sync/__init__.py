@@ -1,2 +1,3 @@
 """Weight sync trainer -> generators: flat buckets (buckets.py), update groups (group.py), per-rank
-senders (sender.py) and the versioned, all-or-nothing update (update.py)."""
+senders (sender.py), the trainer ranks' part of a push (trainer_push.py) and the versioned,
+all-or-nothing update with its one coordinator, `UpdateCycle` (update.py)."""

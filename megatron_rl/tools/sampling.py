@@ -87,7 +87,7 @@ class GeneratorSampler:
         total, done, t0 = k * len(problems), 0, time.perf_counter()
         for r in self.generator.completions(timeout=self.timeout_s):
             text = self.template.assistant_prefix + self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-            out[r.problem_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
+            out[r.group_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
             done += 1
             if self.progress and (done % max(1, total // 20) == 0 or done == total):
                 print(f"sampled {done}/{total} completions ({time.perf_counter() - t0:.0f} s)",

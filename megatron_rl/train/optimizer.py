@@ -72,9 +72,3 @@ def build_optimizer(model: list, tconfig: TrainerConfig):
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def zero_grads(model: list, optimizer) -> None:
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()

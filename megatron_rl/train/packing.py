@@ -158,11 +158,6 @@ class PackingStats:
     def naive_padding_fraction(self) -> float:
         return 1.0 - self.real_tokens / self.naive_tokens if self.naive_tokens else 0.0
 
-    def merge(self, other: "PackingStats") -> "PackingStats":
-        return PackingStats(self.n_sequences + other.n_sequences, self.n_bins + other.n_bins,
-                            self.real_tokens + other.real_tokens, self.packed_tokens + other.packed_tokens,
-                            self.naive_tokens + other.naive_tokens)
-
 
 @dataclass
 class PackedBatch:

@@ -15,7 +15,7 @@ from megatron_rl.config import GeneratorConfig, RolloutConfig
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.sender import WeightSender, WeightSyncError
-from megatron_rl.sync.update import push_weights, targets_of
+from megatron_rl.sync.update import push_in_process, target_of
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 11, 12]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -82,7 +82,7 @@ def assert_matches_hf(gen, model, version):
     rollouts = list(gen.completions(timeout=120))
     assert len(rollouts) == 2 * len(PROMPTS)
     for r in rollouts:
-        prompt = PROMPTS[int(r.problem_id[1:])]
+        prompt = PROMPTS[int(r.group_id[1:])]
         assert r.prompt_ids == prompt
         assert r.completion_ids == hf_greedy(model, prompt, GREEDY["max_new_tokens"])
         ref = hf_logprobs(model, prompt, r.completion_ids)
@@ -132,9 +132,9 @@ def test_sync_two_senders_matches_hf_with_new_weights(gen, hf):
     new = perturbed(hf, seed=1)
     tensors = named(new)
     half = len(tensors) // 2  # two "pipeline stages", each sending its own tensors
-    senders = [WeightSender(r, targets_of([gen]), bucket_mb=0.05) for r in range(2)]
+    senders = [WeightSender(r, [target_of(gen)], bucket_mb=0.05) for r in range(2)]
     v = next(_versions)
-    report = push_weights([gen], [(senders[0], tensors[:half]), (senders[1], tensors[half:])], v,
+    report = push_in_process([gen], [(senders[0], tensors[:half]), (senders[1], tensors[half:])], v,
                           expected_names=[n for n, _ in tensors])
     assert report.bytes == sum(t.numel() * t.element_size() for _, t in tensors)
     assert all(r.buckets > 1 for r in report.reports)  # really bucketed
@@ -151,10 +151,10 @@ def test_inflight_request_spans_two_versions(gen, hf):
                                                             "ignore_eos": True})
     gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 8})
     short = gen.get(timeout=120)
-    assert short.problem_id == "short"  # the long one is decoding now, with tokens under v_old
-    push_weights([gen], [(state["senders"][0], named(new))], v)
+    assert short.group_id == "short"  # the long one is decoding now, with tokens under v_old
+    push_in_process([gen], [(state["senders"][0], named(new))], v)
     long = gen.get(timeout=300)
-    assert long.problem_id == "long" and long.finish_reason == "length"
+    assert long.group_id == "long" and long.finish_reason == "length"
     assert len(long.completion_ids) == 400
     k = long.weight_versions.index(v)
     assert 0 < k < 400 and long.weight_versions == [v_old] * k + [v] * (400 - k)
@@ -180,16 +180,16 @@ def test_prefix_cache_not_reused_across_versions(gen, hf):
     gen.submit("long", PROMPTS[0], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 300,
                                                             "ignore_eos": True})
     gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
-    assert gen.get(timeout=120).problem_id == "short"
+    assert gen.get(timeout=120).group_id == "short"
     assert not c.flush_cache()  # what SGLang allows: no flush while a request runs
-    push_weights([gen], [(state["senders"][0], named(new))], v)
+    push_in_process([gen], [(state["senders"][0], named(new))], v)
     assert gen.cache.dirty  # the flush after the update was refused: salts isolate the epochs
     probe = c.generate({"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True,
                         "cache_salt": gen.cache.salt()})
     assert probe["meta_info"]["cached_tokens"] == 0
     gen.submit("after", prompt, group_size=1, sampling=GREEDY)
     gen.submit("after2", PROMPTS[0], group_size=1, sampling=GREEDY)
-    rs = {r.problem_id: r for r in gen.completions(timeout=300)}
+    rs = {r.group_id: r for r in gen.completions(timeout=300)}
     assert rs["after"].completion_ids == hf_greedy(new, prompt, GREEDY["max_new_tokens"])
     assert rs["long"].weight_versions[-1] == v
     assert gen.flush_stale_cache(attempts=50)  # flushed once idle (SGLang allows it then)
@@ -202,8 +202,8 @@ def test_retract_mode_reprefills_with_new_weights(gen, hf):
     gen.submit("long", PROMPTS[0], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 300,
                                                             "ignore_eos": True})
     gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
-    assert gen.get(timeout=120).problem_id == "short"
-    push_weights([gen], [(state["senders"][0], named(new))], v, mode="retract")
+    assert gen.get(timeout=120).group_id == "short"
+    push_in_process([gen], [(state["senders"][0], named(new))], v, mode="retract")
     assert not gen.cache.dirty  # retract leaves nothing running: the cache was flushed
     long = gen.get(timeout=300)
     k = long.weight_versions.index(v)
@@ -223,13 +223,13 @@ def test_failed_update_is_detected_and_retried(gen, hf):
     name, t = bad[3]
     bad[3] = (name, t.reshape(-1)[: t.numel() // 2].clone())  # wrong shape: SGLang's loader rejects it
     with pytest.raises(WeightSyncError):
-        push_weights([gen], [(sender, bad)], v)
+        push_in_process([gen], [(sender, bad)], v)
     assert gen.server.client.weight_version() != str(v)  # never stamped
     # a partial update (a stage that did not send) is rejected too, before any version is stamped
     with pytest.raises(WeightSyncError, match="partial update"):
-        push_weights([gen], [(sender, tensors[:5])], v, expected_names=[n for n, _ in tensors])
+        push_in_process([gen], [(sender, tensors[:5])], v, expected_names=[n for n, _ in tensors])
     # retry in the same open session with the full, correct weights: consistent again
-    push_weights([gen], [(sender, tensors)], v, expected_names=[n for n, _ in tensors])
+    push_in_process([gen], [(sender, tensors)], v, expected_names=[n for n, _ in tensors])
     assert_matches_hf(gen, new, v)
     state["model"] = new
     del old
@@ -241,7 +241,7 @@ def test_killed_server_is_restarted_and_samples_reissued(gen, hf):
     gen.submit("k", PROMPTS[0], group_size=3, sampling={"temperature": 0.0, "max_new_tokens": 300,
                                                          "ignore_eos": True})
     gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
-    assert gen.get(timeout=120).problem_id == "short"
+    assert gen.get(timeout=120).group_id == "short"
     inc = gen.incarnation
     gen.server.kill_for_test()
     rs = list(gen.completions(timeout=300))
@@ -252,6 +252,6 @@ def test_killed_server_is_restarted_and_samples_reissued(gen, hf):
         assert r.completion_ids[:20] == hf_greedy(hf, PROMPTS[0], 20)
     # the sender notices the new incarnation, opens a fresh group and the sync works again
     v = next(_versions)
-    push_weights([gen], [(state["senders"][0], named(state["model"]))], v)
+    push_in_process([gen], [(state["senders"][0], named(state["model"]))], v)
     assert not gen.needs_weight_sync
     assert_matches_hf(gen, state["model"], v)

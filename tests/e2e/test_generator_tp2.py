@@ -9,7 +9,7 @@ from megatron_rl.config import GeneratorConfig, RolloutConfig
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.sender import WeightSender
-from megatron_rl.sync.update import push_weights, targets_of
+from megatron_rl.sync.update import push_in_process, target_of
 
 from test_generator import assert_matches_hf, hf_model, named, perturbed
 
@@ -33,13 +33,13 @@ def gen_tp2(tiny_llama_dir, tmp_path_factory):
 def test_tp2_server_matches_hf_before_and_after_a_push(gen_tp2, tiny_llama_dir):
     hf = hf_model(tiny_llama_dir)
     assert_matches_hf(gen_tp2, hf, 0)
-    targets = targets_of([gen_tp2])
+    targets = [target_of(gen_tp2)]
     assert [t.tp_size for t in targets] == [2]  # the update group: 1 sender + the server's 2 ranks
     new = perturbed(hf, seed=3)
     tensors = named(new)
     sender = WeightSender(0, targets, bucket_mb=0.05)
     try:
-        push_weights([gen_tp2], [(sender, tensors)], 1, expected_names=[n for n, _ in tensors])
+        push_in_process([gen_tp2], [(sender, tensors)], 1, expected_names=[n for n, _ in tensors])
     finally:
         sender.close()
     assert_matches_hf(gen_tp2, new, 1)

@@ -5,14 +5,18 @@ import pickle
 import time
 from types import SimpleNamespace
 
-from megatron_rl.control.protocol import Tag
+from megatron_rl.control.protocol import Graded, Tag
 
 
 class PickleComm:
-    """Stands in for the MPI communicator: records what the controller sends, pickled as MPI would."""
+    """Stands in for the MPI communicator under the controller's Mailbox: records what is sent,
+    pickled as MPI would, with the tag the Mailbox derived from the message type."""
 
     def __init__(self):
         self.sent: list[tuple[int, int, object]] = []
+
+    def Get_rank(self) -> int:
+        return 0
 
     def send(self, obj, dest, tag):
         self.sent.append((dest, tag, pickle.loads(pickle.dumps(obj))))
@@ -32,15 +36,15 @@ class CharTokenizer:
 
 def grade_until(ctrl, comm: PickleComm, pool, settled) -> None:
     """Run the controller's grading until `settled()` (its own poll with `pool` None, else a verifier
-    rank serving `pool`: the body of grading.verifier_loop for each GRADE message, minus MPI)."""
-    from megatron_rl.control.grading import _grade
+    rank serving `pool`: the body of grading.verifier_loop for each GradeRequest, minus MPI)."""
+    from megatron_rl.control.grading import grade
 
     deadline = time.time() + 120
     while not settled():
         assert time.time() < deadline, "grading did not finish"
         if pool is None:
-            ctrl._collect_grades()
+            ctrl.flow.collect_grades()
             time.sleep(0.05)
         else:
-            for dest, items in comm.take(Tag.GRADE):
-                ctrl._dispatch(dest, Tag.GRADED, pickle.loads(pickle.dumps(_grade(pool, items))))
+            for dest, request in comm.take(Tag.GRADE):
+                ctrl._dispatch(dest, pickle.loads(pickle.dumps(Graded(grade(pool, request.items)))))

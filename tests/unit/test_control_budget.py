@@ -26,9 +26,8 @@ def _budget(**kw) -> RolloutBudget:
 def test_keeps_n_async_sequences_in_flight():
     b = _budget()
     assert b.free_group_slots() == 3
-    reqs = [r for i in range(3) for r in b.start_group(_problem(i))]
+    gid = [b.start_group(_problem(i)).group_id for i in range(3)][0]
     assert b.in_flight == 12 and b.free_group_slots() == 0
-    gid = reqs[0].group_id
     for i in range(3):
         b.add_graded(_rollout(gid, i, float(i)))
     assert b.in_flight == 9 and b.free_group_slots() == 0  # a group needs G free slots
@@ -38,8 +37,8 @@ def test_keeps_n_async_sequences_in_flight():
 
 def test_group_centred_advantages_and_non_diverse_drop():
     b = _budget()
-    g1 = b.start_group(_problem(1))[0].group_id
-    g2 = b.start_group(_problem(2))[0].group_id
+    g1 = b.start_group(_problem(1)).group_id
+    g2 = b.start_group(_problem(2)).group_id
     rewards = [0.0, 1.0, 1.0, 0.1]
     fates = [b.add_graded(_rollout(g1, i, r)) for i, r in enumerate(rewards)]
     assert fates == [None, None, None, "kept"]
@@ -51,7 +50,7 @@ def test_group_centred_advantages_and_non_diverse_drop():
 
 def test_duplicates_and_unknown_groups_are_ignored():
     b = _budget()
-    g = b.start_group(_problem(1))[0].group_id
+    g = b.start_group(_problem(1)).group_id
     assert b.add_graded(_rollout(g, 0, 1.0)) is None
     assert b.add_graded(_rollout(g, 0, 0.0)) is None  # re-issued duplicate
     assert b.groups[g].rollouts[0].reward == 1.0
@@ -61,7 +60,7 @@ def test_duplicates_and_unknown_groups_are_ignored():
 
 
 def _complete(b: RolloutBudget, problem: Problem, rewards, version=0) -> str:
-    g = b.start_group(problem)[0].group_id
+    g = b.start_group(problem).group_id
     for i, r in enumerate(rewards):
         b.add_graded(_rollout(g, i, r, version))
     return g
@@ -93,7 +92,7 @@ def test_adv_norm_group_divides_by_the_group_std_and_the_batch_carries_group_and
     import statistics
 
     b = RolloutBudget(RolloutConfig(group_size=4, n_async=12, n_batch=4, n_mini=1), AlgoConfig(adv_norm="group"))
-    gid = b.start_group(_problem(1))[0].group_id
+    gid = b.start_group(_problem(1)).group_id
     rewards = [0.0, 1.0, 1.0, 0.1]
     for i, r in enumerate(rewards):
         ro = _rollout(gid, i, r)
@@ -114,17 +113,17 @@ def test_reweight_policy_keeps_stale_groups():
 def test_state_round_trip_resumes_exactly():
     rng = random.Random(0)
     b = _budget()
-    groups = [b.start_group(_problem(i))[0].group_id for i in range(3)]
+    groups = [b.start_group(_problem(i)).group_id for i in range(3)]
     for g in groups[:2]:
         for i in range(4):
             b.add_graded(_rollout(g, i, rng.random()))
     b.add_graded(_rollout(groups[2], 1, 0.5))
     clone = _budget()
     clone.load_state_dict(b.state_dict())
-    assert [(s.group_id, s.sample_index) for s in clone.outstanding_requests()] == \
+    assert clone.outstanding_samples() == \
            [(groups[2], i) for i in (0, 2, 3)]
     assert clone.take_batch(0).sequences == b.take_batch(0).sequences
-    assert clone.start_group(_problem(9))[0].group_id == b.start_group(_problem(9))[0].group_id
+    assert clone.start_group(_problem(9)).group_id == b.start_group(_problem(9)).group_id
 
 
 def test_problem_queue_epochs_requeue_curriculum_and_resume():

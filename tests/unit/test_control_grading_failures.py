@@ -66,19 +66,19 @@ def _controller(tmp_path, problems, verifiers=0, regrade_attempts=1, n_async=4, 
 
 def _generate(ctrl: Controller, comm: PickleComm, text_for) -> list[Rollout]:
     """Issue groups and answer them as a generator would: text_for(problem, sample_index) -> completion."""
-    ctrl._fill()
+    ctrl.flow.fill()
     rollouts = []
     for _, request in comm.take(Tag.GENERATE):
         for s in request.samples:
-            problem = ctrl.budget.groups[s.group_id].problem
+            problem = ctrl.flow.budget.groups[s.group_id].problem
             rollouts.append(Rollout(s.group_id, s.sample_index, s.prompt_ids, [7] * 10, [-0.5] * 10, [0] * 10,
                                     "stop", text=text_for(problem, s.sample_index)))
-    ctrl._on_rollouts(GEN_RANK, RolloutsReport(rollouts, 0.0, 0.0))
+    ctrl.flow.on_rollouts(GEN_RANK, RolloutsReport(rollouts, 0.0, 0.0))
     return rollouts
 
 
 def _metrics_row(ctrl: Controller, tmp_path) -> dict:
-    ctrl.last_train_metrics = {"loss": 0.0}
+    ctrl.log.train = {"loss": 0.0}
     ctrl._write_metrics()
     return read_jsonl(tmp_path / METRICS_FILE)[-1]
 
@@ -105,11 +105,11 @@ def _rollout(group_id: str, idx: int, reward: float | None = None) -> Rollout:
 def test_budget_drops_a_group_with_a_failed_sample_whole_once_all_are_back():
     b = RolloutBudget(RolloutConfig(group_size=3, n_async=6, n_batch=3, n_mini=1), AlgoConfig())
     problem = Problem("p", "q", MATH)
-    g = b.start_group(problem)[0].group_id
+    g = b.start_group(problem).group_id
     b.start_group(problem)
     assert b.add_graded(_rollout(g, 0, 1.0)) is None
     assert b.add_failed(g, 1) is None and b.in_flight == 4  # a failed sample is back, not in flight
-    assert [r.sample_index for r in b.outstanding_requests() if r.group_id == g] == [2]
+    assert [i for group_id, i in b.outstanding_samples() if group_id == g] == [2]
     assert b.add_failed(g, 1) is None and b.add_graded(_rollout(g, 1, 0.0)) is None  # duplicates ignored
     assert b.groups[g].rollouts.keys() == {0}
     restored = RolloutBudget(b.cfg, b.algo)  # a checkpoint keeps which samples failed
@@ -156,19 +156,19 @@ def test_unavailable_sandbox_drops_the_group_and_only_graded_samples_are_trained
     try:
         text = {("code", 0): CODE_RIGHT, ("code", 1): CODE_RIGHT, ("math", 0): MATH_RIGHT, ("math", 1): MATH_WRONG}
         rollouts = _generate(ctrl, comm, lambda p, i: text[(p.problem_id, i)])
-        assert sorted(r.problem_id.split("#")[0] for r in rollouts) == ["code", "code", "math", "math"]
-        grade_until(ctrl, comm, None, lambda: not ctrl.ledger.pending)
+        assert sorted(r.group_id.split("#")[0] for r in rollouts) == ["code", "code", "math", "math"]
+        grade_until(ctrl, comm, None, lambda: not ctrl.flow.ledger.pending)
 
-        code_group = next(r.problem_id for r in rollouts if r.problem_id.startswith("code"))
-        math_group = next(r.problem_id for r in rollouts if r.problem_id.startswith("math"))
-        assert all(r.reward is None for r in rollouts if r.problem_id == code_group)  # no fake 0
-        batch = ctrl.budget.take_batch(ctrl.version)
+        code_group = next(r.group_id for r in rollouts if r.group_id.startswith("code"))
+        math_group = next(r.group_id for r in rollouts if r.group_id.startswith("math"))
+        assert all(r.reward is None for r in rollouts if r.group_id == code_group)  # no fake 0
+        batch = ctrl.flow.budget.take_batch(ctrl.version)
         assert batch is not None and len(batch.sequences) == 2
-        math_prompt = next(r.prompt_ids for r in rollouts if r.problem_id == math_group)
+        math_prompt = next(r.prompt_ids for r in rollouts if r.group_id == math_group)
         assert all(s.token_ids[:s.prompt_len] == math_prompt for s in batch.sequences)
         # the math group's own rewards: 0.1 + 0.9 (right) and 0.1 (wrong), centred on their mean
         assert sorted(s.advantage for s in batch.sequences) == pytest.approx([-0.45, 0.45])
-        assert not ctrl.budget.ready and not ctrl.budget.groups and ctrl.budget.in_flight == 0
+        assert not ctrl.flow.budget.ready and not ctrl.flow.budget.groups and ctrl.flow.budget.in_flight == 0
 
         row = _metrics_row(ctrl, tmp_path)
         attempts = 2 * (1 + regrade_attempts)
@@ -188,8 +188,8 @@ def test_run_fails_when_no_sample_can_be_graded(tmp_path, refusing_bwrap):
     try:
         _generate(ctrl, comm, lambda p, i: CODE_RIGHT)
         with pytest.raises(RunFailed, match="4 samples in a row .*sandbox_unavailable: .*No permissions"):
-            grade_until(ctrl, comm, None, lambda: not ctrl.ledger.pending)
-        assert not ctrl.budget.ready
+            grade_until(ctrl, comm, None, lambda: not ctrl.flow.ledger.pending)
+        assert not ctrl.flow.budget.ready
     finally:
         ctrl.shutdown()
 
@@ -210,15 +210,15 @@ def test_verifier_rank_timeout_and_grader_error_are_regraded_then_dropped(tmp_pa
                 else MATH_RIGHT.replace("four.", "four. HANG")
 
         rollouts = _generate(ctrl, comm, text_for)
-        grade_until(ctrl, comm, pool, lambda: not ctrl.ledger.pending)
-        flaky_group = next(r.problem_id for r in rollouts if "FLAKY" in r.text)
-        hang_group = next(r.problem_id for r in rollouts if "HANG" in r.text)
-        assert [r.reward is None for r in rollouts if r.problem_id == hang_group] == [True, False]  # no fake 0
-        assert [r.reward for r in sorted((r for r in rollouts if r.problem_id == flaky_group),
+        grade_until(ctrl, comm, pool, lambda: not ctrl.flow.ledger.pending)
+        flaky_group = next(r.group_id for r in rollouts if "FLAKY" in r.text)
+        hang_group = next(r.group_id for r in rollouts if "HANG" in r.text)
+        assert [r.reward is None for r in rollouts if r.group_id == hang_group] == [True, False]  # no fake 0
+        assert [r.reward for r in sorted((r for r in rollouts if r.group_id == flaky_group),
                                          key=lambda r: r.sample_index)] == pytest.approx([1.0, 0.1])
-        batch = ctrl.budget.take_batch(ctrl.version)
+        batch = ctrl.flow.budget.take_batch(ctrl.version)
         assert sorted(s.advantage for s in batch.sequences) == pytest.approx([-0.45, 0.45])
-        flaky_prompt = next(r.prompt_ids for r in rollouts if r.problem_id == flaky_group)
+        flaky_prompt = next(r.prompt_ids for r in rollouts if r.group_id == flaky_group)
         assert all(s.token_ids[:s.prompt_len] == flaky_prompt for s in batch.sequences)
         row = _metrics_row(ctrl, tmp_path)
         assert (row["grading/failed"], row["grading/failed/error"], row["grading/failed/timeout"]) == (3, 1, 2)

@@ -23,18 +23,17 @@ def _controller(tmp_path, updates: int, log_every: int) -> Controller:
 
 def _update(ctrl: Controller, u: int, rollouts: list[Rollout]) -> None:
     """What the controller records for trainer update `u`, then its call once the weights are pushed."""
-    ctrl.window.graded += rollouts
+    ctrl.log.window.graded += rollouts
     ctrl.updates_done, ctrl.version = u, u
-    ctrl.last_train_metrics = {"version": u, "loss": float(u), "ratio_min": 1.0 - u / 10, "ratio_max": 1.0 + u / 10}
-    ctrl._batch_stats = {"batch/sequences": 2 * u, "batch/tokens": 10 * u}
-    ctrl._last_push = {"version": u, "bytes": 100 * u}
+    ctrl.log.train = {"version": u, "loss": float(u), "ratio_min": 1.0 - u / 10, "ratio_max": 1.0 + u / 10}
+    ctrl.log.batch = {"batch/sequences": 2 * u, "batch/tokens": 10 * u}
+    ctrl.log.push = {"version": u, "bytes": 100 * u}
     ctrl._write_metrics()
-    ctrl.last_train_metrics = {}
+    ctrl.log.train = {}
 
 
 def _rows(ctrl: Controller, tmp_path) -> list[dict]:
-    ctrl.metrics.close()
-    ctrl.events.close()
+    ctrl.log.close()
     return read_jsonl(tmp_path / METRICS_FILE)
 
 

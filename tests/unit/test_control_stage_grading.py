@@ -48,7 +48,7 @@ def _controller(tmp_path, verifiers: int) -> tuple[Controller, PickleComm]:
 
 
 def _issue_one_group(ctrl: Controller, comm: PickleComm) -> GenerateRequest:
-    ctrl._fill()
+    ctrl.flow.fill()
     ((dest, request),) = comm.take(Tag.GENERATE)
     assert dest == GEN_RANK and len(request.samples) == 2
     return request
@@ -75,11 +75,11 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
 
         # The trainer finishes update 1 (stage B from now on) before these samples come back.
         ctrl._on_trained({"version": 1})
-        assert ctrl.updates_done == 1 and comm.take(Tag.UPDATE_BEGIN)
+        assert ctrl.updates_done == 1 and comm.take(Tag.PAUSE)
         report = _generate(request_a, [30, 40])
-        keys = [(r.problem_id, r.sample_index) for r in report.rollouts]
-        ctrl._on_rollouts(GEN_RANK, report)
-        grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.ledger.pending for k in keys))
+        keys = [(r.group_id, r.sample_index) for r in report.rollouts]
+        ctrl.flow.on_rollouts(GEN_RANK, report)
+        grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.flow.ledger.pending for k in keys))
         graded_a = report.rollouts  # the controller updated these records in place
         for r, n in zip(graded_a, [30, 40]):
             assert (r.max_new_tokens, r.l_max, r.l_cache) == (40, 40, 16)
@@ -89,7 +89,7 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
         assert closed_form(30, 40, 16) < 0 and closed_form(30, 80, 20) == 0  # the test can tell A from B
 
         # The metrics line of update 1: the stage now in force, and the stage the graded rollouts had.
-        ctrl.last_train_metrics = {"loss": 0.0}
+        ctrl.log.train = {"loss": 0.0}
         ctrl._write_metrics()
         row = read_jsonl(tmp_path / METRICS_FILE)[-1]
         assert (row["max_new_tokens"], row["stage/start"], row["stage/l_max"], row["stage/l_cache"]) == (80, 1, 80, 20)
@@ -99,13 +99,13 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
         request_b = _issue_one_group(ctrl, comm)
         assert request_b.sampling["max_new_tokens"] == 80
         report = _generate(request_b, [30, 70])
-        ctrl._on_rollouts(GEN_RANK, report)
-        keys = [(r.problem_id, r.sample_index) for r in report.rollouts]
-        grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.ledger.pending for k in keys))
+        ctrl.flow.on_rollouts(GEN_RANK, report)
+        keys = [(r.group_id, r.sample_index) for r in report.rollouts]
+        grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.flow.ledger.pending for k in keys))
         for r, n in zip(report.rollouts, [30, 70]):
             assert (r.max_new_tokens, r.l_max, r.l_cache) == (80, 80, 20)
             assert r.reward_components["length_penalty"] == pytest.approx(closed_form(n, 80, 20), abs=1e-12)
-        assert not ctrl.sample_stage  # nothing left in flight
+        assert not ctrl.flow.sample_stage  # nothing left in flight
 
         # Checkpointed rollouts keep their stage (JSON, like the controller state in a checkpoint).
         again = Rollout.from_dict(json.loads(json.dumps(graded_a[0].to_dict())))

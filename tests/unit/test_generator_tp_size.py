@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
+from megatron_rl.control.generator_worker import _status, server_spec
 from megatron_rl.control.layout import RankLayout
-from megatron_rl.control.protocol import GeneratorStatus, PushRequest, Tag
+from megatron_rl.control.protocol import Paused, PushRequest, Tag
 from megatron_rl.records import Problem
-from megatron_rl.rollout.server import ServerSpec
+from megatron_rl.rollout.generator import Generator
+from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from support.control import PickleComm
 
 
@@ -26,10 +28,17 @@ def test_push_targets_carry_the_generator_tp_size(tmp_path):
         comm = PickleComm()
         ctrl = Controller(comm, cfg, RankLayout(1, 1, 1), tmp_path, [Problem("p", "q", {"kind": "math"})], None)
         gen_rank = ctrl.layout.generator_ranks[0]
-        ctrl.gen_status[gen_rank] = GeneratorStatus(0, "http://127.0.0.1:30000", incarnation=3, version=0)
-        ctrl.phase = "pausing"
-        ctrl._advance_update()
+        # the status a generator rank sends once paused, from the server the rank builds (not started)
+        gen = Generator(SGLangServer(server_spec(cfg, 0, str(tmp_path), tmp_path, 30000, "127.0.0.1")),
+                        cfg.rollout, cfg.generator)
+        try:
+            ctrl._begin_update()
+            assert [dest for dest, _ in comm.take(Tag.PAUSE)] == [gen_rank]
+            ctrl._dispatch(gen_rank, Paused(_status(gen)))
+        finally:
+            gen.close()
         pushes = comm.take(Tag.PUSH)
-        assert pushes, "no push was sent"
+        assert [dest for dest, _ in pushes] == [ctrl.layout.first_trainer], "no push was sent"
         req: PushRequest = pushes[0][1]
-        assert req.targets == [("http://127.0.0.1:30000", tp, 3)]
+        assert [(t.url, t.tp_size) for t in req.targets] == [("http://127.0.0.1:30000", tp)]
+        ctrl.shutdown()

@@ -35,7 +35,7 @@ def test_bad_spans_raise(spans, n):
 def test_to_rollout_and_finish_reasons():
     r = to_rollout(_answer([5, 6, 7], [{"version": "2", "start": 0, "end": 1},
                                        {"version": "3", "start": 1, "end": 3}], fr="stop"),
-                   problem_id="p", sample_index=1, prompt_ids=[1, 2], generator_id=4)
+                   group_id="p", sample_index=1, prompt_ids=[1, 2], generator_id=4)
     assert r.completion_ids == [5, 6, 7] and r.weight_versions == [2, 3, 3]
     assert r.behaviour_logprobs == [-0.5, -1.5, -2.5] and r.finish_reason == "stop"
     assert r.generator_id == 4 and r.oldest_version == 2
@@ -49,11 +49,11 @@ def test_to_rollout_rejects_inconsistent_answers():
     a = _answer([5, 6], None)
     a["meta_info"]["output_token_logprobs"] = a["meta_info"]["output_token_logprobs"][:1]
     with pytest.raises(MalformedOutput):
-        to_rollout(a, problem_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
+        to_rollout(a, group_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
     a = _answer([5, 6], None)
     del a["meta_info"]["output_token_logprobs"]
     with pytest.raises(MalformedOutput, match="return_logprob"):
-        to_rollout(a, problem_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
+        to_rollout(a, group_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
 
 
 @pytest.mark.parametrize("s", [0, 1, 3])

@@ -1,0 +1,52 @@
+"""What a run writes about itself: RUN_DIR/metrics.jsonl (one line per `run.log_every` updates) and
+RUN_DIR/groups.jsonl (one event per finished group), and the progress line.
+
+`window` collects the rollout side of the current metrics line (graded samples, idle times, grading
+failures); `train`, `batch` and `push` hold the last update's trainer metrics, batch size and push
+report until the line is written. See docs/control.md, "Metrics lines".
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import RunConfig
+from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow
+
+PROGRESS_KEYS = {"reward/mean": "reward", "pass_rate": "pass", "length/mean": "len", "train/loss": "loss"}
+
+
+class RunLog:
+    def __init__(self, run: RunConfig, run_dir: Path):
+        self.run = run
+        self.window = UpdateWindow()
+        self.metrics = JsonlWriter(run_dir / METRICS_FILE)
+        self.events = JsonlWriter(run_dir / EVENTS_FILE)
+        self.train: dict[str, Any] = {}  # the last update's trainer metrics; empty once its line is written
+        self.batch: dict[str, Any] = {}
+        self.push: dict[str, Any] = {}
+        self._last_row: dict[str, Any] = {}
+
+    def group_done(self, event: dict[str, Any]) -> None:
+        self.events.write(event)
+
+    def write_line(self, update: int, version: int, state: dict[str, Any]) -> bool:
+        """The metrics line of the updates up to `update`, if one is due (run.log_every); `state` adds
+        the counters as they are now. True when a line was written."""
+        row = self.window.line(self.run, update, version, self.train, self.batch, self.push)
+        if row is None:
+            return False
+        row.update(state)
+        self.metrics.write(row)
+        self._last_row = row
+        self.window = UpdateWindow()
+        return True
+
+    def show(self, progress: Progress, update: int) -> None:
+        row = self._last_row
+        progress.update(update, {short: row[k] for k, short in PROGRESS_KEYS.items()
+                                 if isinstance(row.get(k), (int, float))})
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.events.close()

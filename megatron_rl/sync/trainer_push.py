@@ -1,0 +1,50 @@
+"""The PUSHING phase on the trainer ranks (see update.py): all of them export, a few send.
+
+Every trainer rank iterates the HF export of its model chunks (the TP gathers are collective); the
+first TP/DP rank of each pipeline stage is that stage's sender and streams the tensors to every
+generator (one `WeightSender` per stage, several stages in parallel). The ranks then gather what
+was sent, and the push is complete only if the senders together covered every stage's names.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_rl.sync.sender import SyncTarget, WeightSender
+from megatron_rl.sync.update import check_complete
+
+
+class TrainerPush:
+    def __init__(self, model_chunks: list, bucket_mb: float, node_addr: str):
+        from megatron.core import parallel_state as ps
+
+        self.model_chunks, self.bucket_mb, self.node_addr = model_chunks, bucket_mb, node_addr
+        self.is_sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.sender: WeightSender | None = None
+
+    def push(self, version: int, targets: list[SyncTarget]) -> dict:
+        """Send this rank's part (collective over the trainers); the report of the whole push."""
+        from megatron_rl.train.hf_weights import export_hf_tensors, hf_names_of_stage
+
+        tensors = export_hf_tensors(self.model_chunks)  # collective over TP: every rank iterates
+        report = None
+        if self.is_sender:
+            if self.sender is None:
+                self.sender = WeightSender(self.stage, targets, bucket_mb=self.bucket_mb, address=self.node_addr)
+            else:
+                self.sender.retarget(targets)
+            report = self.sender.send(tensors)
+        else:
+            for _ in tensors:
+                pass
+        expected = sorted(hf_names_of_stage(self.model_chunks)) if self.is_sender else []
+        sent = (report.names, report.bytes, report.seconds) if report else ([], 0, 0.0)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (expected, *sent))
+        check_complete((n for g in gathered for n in g[1]), (n for g in gathered for n in g[0]))
+        return {"version": version, "tensors": len({n for g in gathered for n in g[1]}),
+                "bytes": sum(g[2] for g in gathered), "send_s": max(g[3] for g in gathered)}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

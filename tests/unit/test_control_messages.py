@@ -1,0 +1,110 @@
+"""The controller's messages: one tag per message type, each batch sent once (to the first trainer,
+which shares it with the others), and one weight update as the cycle pause -> push -> finish."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.config import config_from_dict
+from megatron_rl.control.controller import Controller
+from megatron_rl.control.layout import RankLayout
+from megatron_rl.control.mailbox import Mailbox
+from megatron_rl.control.protocol import (MESSAGE_TYPES, FinishUpdate, GeneratorStatus, Paused, PauseForUpdate,
+                                          Pushed, PushRequest, Resumed, RunFailed, Tag, Trained, TrainRequest, WorkerFailure,
+                                          tag_of)
+from megatron_rl.records import Problem, Rollout
+from megatron_rl.sync.sender import SyncTarget, WeightSyncError
+from megatron_rl.sync.update import Phase, UpdateCycle
+from support.control import PickleComm
+
+TRAINERS, GENERATORS = 4, 2
+
+
+def test_every_message_type_has_its_own_tag():
+    assert sorted(MESSAGE_TYPES) == list(Tag) and len(set(MESSAGE_TYPES.values())) == len(Tag)
+    comm = PickleComm()
+    Mailbox(comm).send(3, FinishUpdate(7))
+    assert comm.sent == [(3, int(Tag.FINISH), FinishUpdate(7))] and tag_of(FinishUpdate(7)) is Tag.FINISH
+
+
+def _controller(tmp_path) -> tuple[Controller, PickleComm]:
+    cfg = config_from_dict({"rollout": {"group_size": 2, "n_async": 4, "n_batch": 4, "n_mini": 1},
+                            "run": {"output_dir": str(tmp_path)}, "data": {"source": "jsonl", "path": "unused"}})
+    comm = PickleComm()  # one verifier rank: no grading pool in this process
+    return Controller(comm, cfg, RankLayout(TRAINERS, GENERATORS, 1), tmp_path, [Problem("p", "q", {})], None), comm
+
+
+def _status(rank: int, version: int) -> GeneratorStatus:
+    return GeneratorStatus(SyncTarget(f"http://gen{rank}", 1, 1), version)
+
+
+def test_a_batch_goes_once_to_the_first_trainer_then_one_update_cycle(tmp_path):
+    ctrl, comm = _controller(tmp_path)
+    gens = ctrl.layout.generator_ranks
+    budget = ctrl.flow.budget
+    for _ in range(2):  # two diverse groups graded: n_batch = 4 sequences ready
+        group = budget.start_group(Problem("p", "q", {}))
+        for i, reward in enumerate((0.0, 1.0)):
+            budget.add_graded(Rollout(group.group_id, i, [1], [2, 3], [-0.1, -0.2], [0, 0], "stop", reward=reward))
+    ctrl._train()
+    sent = comm.take(Tag.TRAIN)
+    assert [dest for dest, _ in sent] == [ctrl.layout.first_trainer]  # not one copy per trainer
+    assert isinstance(sent[0][1], TrainRequest) and len(sent[0][1].batch.sequences) == 4
+    assert not comm.sent and ctrl.training
+
+    ctrl._dispatch(ctrl.layout.first_trainer, Trained({"version": 1, "loss": 0.5}))
+    assert [(d, type(m)) for d, m in comm.take(Tag.PAUSE)] == [(g, PauseForUpdate) for g in gens]
+    assert ctrl.cycle.phase is Phase.PAUSING and ctrl.version == ctrl.updates_done == 1
+    ctrl._dispatch(gens[0], Paused(_status(gens[0], 0)))
+    assert not comm.take(Tag.PUSH)  # waits for every generator
+    ctrl._dispatch(gens[1], Paused(_status(gens[1], 0)))
+    ((dest, push),) = comm.take(Tag.PUSH)
+    assert dest == ctrl.layout.first_trainer and push == PushRequest(1, [_status(g, 0).target for g in gens])
+    ctrl._dispatch(dest, Pushed({"version": 1, "bytes": 10}))
+    assert [(d, m) for d, m in comm.take(Tag.FINISH)] == [(g, FinishUpdate(1)) for g in gens]
+    for g in gens:
+        ctrl._dispatch(g, Resumed(_status(g, 1)))
+    assert ctrl.cycle.phase is Phase.IDLE and not ctrl.push_needed and not comm.sent
+    ctrl.shutdown()
+    stops = [dest for dest, _, _ in comm.sent]
+    assert stops == [ctrl.layout.first_trainer] + gens + ctrl.layout.verifier_ranks
+
+
+def test_a_dead_generator_is_not_awaited_and_its_failure_carries_the_traceback(tmp_path):
+    ctrl, comm = _controller(tmp_path)
+    gens = ctrl.layout.generator_ranks
+    ctrl._begin_update()
+    ctrl._dispatch(gens[0], Paused(_status(gens[0], 0)))
+    try:
+        raise ConnectionError("server gone")
+    except ConnectionError as e:
+        died = WorkerFailure.of("generator", gens[1], "server died", e, fatal=False)
+    ctrl._dispatch(gens[1], died)
+    ((_, push),) = comm.take(Tag.PUSH)
+    assert push.targets == [_status(gens[0], 0).target]  # the dead one left out
+    try:
+        raise ValueError("bad shape")
+    except ValueError as e:
+        failure = WorkerFailure.of("trainer", 2, "PushRequest failed", e)
+    with pytest.raises(RunFailed) as raised:
+        ctrl._dispatch(2, failure)
+    text = str(raised.value)
+    assert text.startswith("trainer rank 2 failed: PushRequest failed: ValueError: bad shape")
+    assert 'raise ValueError("bad shape")' in text  # the failing rank's traceback, once
+    ctrl.shutdown()
+
+
+def test_update_cycle_phases():
+    cycle: UpdateCycle[str] = UpdateCycle()
+    assert cycle.begin(3, ["b", "a"]) == ["a", "b"] and cycle.phase is Phase.PAUSING
+    with pytest.raises(WeightSyncError):
+        cycle.advance()  # "b" has not paused
+    assert not cycle.ack("a", SyncTarget("u-a")) and cycle.ack("b", SyncTarget("u-b"))
+    assert cycle.advance() is Phase.PUSHING and cycle.push_targets() == [SyncTarget("u-a"), SyncTarget("u-b")]
+    with pytest.raises(WeightSyncError):
+        cycle.ack("a")  # nobody answers during the push
+    assert cycle.advance() is Phase.FINISHING and cycle.waiting == {"a", "b"}
+    assert not cycle.drop("a")  # died while finishing: "b" is still awaited
+    assert cycle.ack("b") and cycle.advance() is Phase.IDLE
+    with pytest.raises(WeightSyncError):
+        cycle.ack("b")
+    assert cycle.begin(4, ["a"]) == ["a"] and cycle.drop("a")  # the only one died: the wait is over

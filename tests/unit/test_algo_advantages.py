@@ -118,6 +118,8 @@ def test_compute_group_advantages_follows_the_config():
     torch.testing.assert_close(out.advantages, group_advantages(r, std=True))
     out = compute_group_advantages(r, AlgoConfig(pass_at_k=2))
     torch.testing.assert_close(out.advantages, pass_at_k_advantages(r[[1, 3]], 2))
+    out = compute_group_advantages(r, AlgoConfig(pass_at_k=9))  # k above the group size: pass@G
+    torch.testing.assert_close(out.advantages, pass_at_k_advantages(r[[1, 3]], 4))
 
 
 def test_algo_imports_only_torch_and_the_standard_library():

@@ -198,6 +198,9 @@ class TrainerConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    # Megatron context parallel: each packed sequence split over this many ranks (2*CP load-balanced
+    # chunks, K/V gathered for attention); trainer ranks = TP x CP x PP x DP (docs/train.md).
+    context_parallel: int = 1
     virtual_pipeline: int | None = None
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -235,7 +238,7 @@ class TrainerConfig:
     recompute_num_layers: int = 1
 
     def validate(self, key: str) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel"):
             check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
         check(self.virtual_pipeline is None or self.virtual_pipeline >= 1, f"{key}.virtual_pipeline",
                "must be >= 1 or null")

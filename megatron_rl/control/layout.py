@@ -1,7 +1,7 @@
 """Which MPI rank plays which role, derived from the config.
 
     rank 0                      controller (budget, batching, grading dispatch, metrics, checkpoints)
-    ranks 1 .. T                trainers (T = tp x pp x dp; their own torch.distributed world)
+    ranks 1 .. T                trainers (T = tp x cp x pp x dp; their own torch.distributed world)
     next G ranks                generators (one SGLang server each)
     last V ranks                verifiers (optional; V = 0 grades inside the controller's process pool)
 
@@ -26,8 +26,8 @@ class RankLayout:
     @classmethod
     def from_config(cls, cfg: Config) -> "RankLayout":
         t = cfg.trainer
-        return cls(t.tensor_parallel * t.pipeline_parallel * t.data_parallel, cfg.generator.num_generators,
-                   cfg.reward.verifier_ranks)
+        trainers = t.tensor_parallel * t.context_parallel * t.pipeline_parallel * t.data_parallel
+        return cls(trainers, cfg.generator.num_generators, cfg.reward.verifier_ranks)
 
     @property
     def world_size(self) -> int:

@@ -65,6 +65,7 @@ FALLBACK = {
     "trainer.tensor_parallel": "Megatron TP size",
     "trainer.pipeline_parallel": "Megatron PP size",
     "trainer.data_parallel": "Megatron DP size",
+    "trainer.context_parallel": "Megatron CP size: each packed sequence split over this many ranks",
     "trainer.virtual_pipeline": "virtual stages per PP rank (interleaved 1F1B); null = plain",
     "trainer.lr": "Adam learning rate (constant)",
     "trainer.weight_decay": "AdamW weight decay",

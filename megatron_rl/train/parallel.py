@@ -1,8 +1,10 @@
-"""torch.distributed + Megatron-Core parallel state for the trainer (TP x PP x DP, optional VPP).
+"""torch.distributed + Megatron-Core parallel state for the trainer (TP x CP x PP x DP, optional VPP).
 
 API:
-- `ParallelLayout(tp=1, pp=1, dp=1, vpp=None, sequence_parallel=False)`: the layout;
-  `world_size = tp * pp * dp`. Sequence parallel (tp > 1) splits the tokens of the norms, dropouts
+- `ParallelLayout(tp=1, pp=1, dp=1, vpp=None, sequence_parallel=False, cp=1)`: the layout;
+  `world_size = tp * cp * pp * dp`. Context parallel (cp > 1) splits every packed sequence over the
+  CP ranks (Megatron's 2*CP load-balanced chunks, see `packing.PackedMicroBatch.cp_slice`); gradients
+  and token counts are reduced over DP x CP. Sequence parallel (tp > 1) splits the tokens of the norms, dropouts
   and residual stream over the TP ranks; it changes no group, only the model's TransformerConfig.
 - `init_parallel(layout, backend=None, seed=1234) -> ParallelLayout`: starts torch.distributed if
   it is not running (env:// when launched by torchrun/srun-style env vars, else a 1-rank group on a
@@ -31,9 +33,10 @@ class ParallelLayout:
     dp: int = 1
     vpp: int | None = None  # virtual pipeline stages per PP rank (interleaved 1F1B); None = plain
     sequence_parallel: bool = False  # Megatron sequence parallel over the TP group (needs tp > 1)
+    cp: int = 1  # context parallel: each sequence's tokens split over cp ranks
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.dp < 0:
@@ -48,7 +51,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def interleaved(self) -> bool:
@@ -88,12 +91,13 @@ def init_parallel(layout: ParallelLayout, backend: str | None = None, seed: int 
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
+    model_ranks = layout.tp * layout.cp * layout.pp
     if layout.dp == 0:
-        if world % (layout.tp * layout.pp):
-            raise ValueError(f"world size {world} is not divisible by tp*pp={layout.tp * layout.pp}")
-        layout = dataclasses.replace(layout, dp=world // (layout.tp * layout.pp))
+        if world % model_ranks:
+            raise ValueError(f"world size {world} is not divisible by tp*cp*pp={model_ranks}")
+        layout = dataclasses.replace(layout, dp=world // model_ranks)
     if layout.world_size != world:
-        raise ValueError(f"layout tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = "
+        raise ValueError(f"layout tp={layout.tp} x cp={layout.cp} x pp={layout.pp} x dp={layout.dp} = "
                          f"{layout.world_size} does not match the world size {world}")
 
     from megatron.core import parallel_state as ps
@@ -104,6 +108,7 @@ def init_parallel(layout: ParallelLayout, backend: str | None = None, seed: int 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
     )
     model_parallel_cuda_manual_seed(seed)
@@ -129,6 +134,22 @@ def tp_rank() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank()
+
+
+def cp_size_rank() -> tuple[int, int]:
+    """(size, rank) of this rank's context-parallel group; (1, 0) before init_parallel."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
+def dp_cp_group():
+    """The group gradients and token counts are reduced over: DP x CP (DP alone when cp = 1)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
 
 
 def pp_rank() -> int:

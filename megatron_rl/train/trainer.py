@@ -51,7 +51,8 @@ class Trainer:
         self.config = config
         t = config.trainer
         self.layout = init_parallel(ParallelLayout(t.tensor_parallel, t.pipeline_parallel, t.data_parallel,
-                                                   t.virtual_pipeline, t.sequence_parallel),
+                                                   t.virtual_pipeline, t.sequence_parallel,
+                                                   cp=t.context_parallel),
                                     backend=backend, seed=t.seed)
         source = None
         if hf_config is None or load_weights:

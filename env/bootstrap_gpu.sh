@@ -7,8 +7,10 @@
 #   MEGATRON_RL_GPU_VENV    the venv (default .venv-gpu in the repository)
 #   MEGATRON_RL_GPU_PYTHON  interpreter that creates it (default python3.12)
 #   TORCH_CUDA_ARCH_LIST    GPU archs of the csrc/ build (default "9.0": H100/H200; e.g. "8.0;9.0")
-#   MEGATRON_RL_GPU_TE=0    skip Transformer Engine's torch extension (a source build without a
-#                           prebuilt wheel: long); the trainer then uses Megatron's local layer spec
+#   MEGATRON_RL_GPU_TE=0    no Transformer Engine (its torch extension is a source build without a
+#                           prebuilt wheel: long); the trainer then uses Megatron's local layer spec.
+#                           All or nothing: TE's core without its torch extension breaks
+#                           `import megatron.core` (it imports transformer_engine.pytorch then)
 #   MEGATRON_RL_GPU_SYSTEM_SITE=1  a new venv sees the interpreter's packages (--system-site-packages):
 #                           the Dockerfile reuses its base image's torch and SGLang this way
 #   MAX_JOBS                parallel compile jobs (default: all cores)
@@ -29,7 +31,8 @@ step_done() { log "$1 done: $(( $(date +%s) - T0 )) s so far, venv $(du -sh "$VE
 stamp_of() {
   { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$0"; echo "$TORCH_CUDA_ARCH_LIST $WITH_TE"
     (cd "$ROOT" && find megatron_rl csrc -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.cu' \
-      -o -name '*.h' \) -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs cat); } | sha256sum | cut -d' ' -f1
+      -o -name '*.h' \) -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs cat); } \
+    | sha256sum | cut -d' ' -f1
 }
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]]; then exit 0; fi
 
@@ -46,10 +49,12 @@ PIP=("$VPY" -m pip install -q --disable-pip-version-check)
 
 # The package's dependencies and gpu extra, split: everything but TE's torch extension (built next,
 # against the installed torch), and constraints (no extras) that keep every later install on them.
-"$VPY" - "$ROOT/pyproject.toml" "$VENV" <<'PY'
+"$VPY" - "$ROOT/pyproject.toml" "$VENV" "$WITH_TE" <<'PY'
 import re, sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 pins = project["optional-dependencies"]["gpu"]
+if sys.argv[3] != "1":
+    pins = [p for p in pins if not p.startswith("transformer-engine")]
 def without_te_torch(req):
     m = re.fullmatch(r"(transformer-engine)\[(.*)\](.*)", req)
     if not m:
@@ -57,10 +62,10 @@ def without_te_torch(req):
     extras = [e for e in m.group(2).split(",") if e.strip() != "pytorch"]
     return f"{m.group(1)}[{','.join(extras)}]{m.group(3)}"
 plain = [re.sub(r"\[.*?\]", "", p) for p in pins]
-te = next(p.split("==")[1] for p in plain if p.startswith("transformer-engine=="))
+te = [f"transformer-engine-torch=={p.split('==')[1]}" for p in plain if p.startswith("transformer-engine==")]
 step1 = project["dependencies"] + [without_te_torch(p) for p in pins]
 open(f"{sys.argv[2]}/gpu-pins.txt", "w").write("\n".join(step1) + "\n")
-open(f"{sys.argv[2]}/gpu-constraints.txt", "w").write("\n".join(plain + [f"transformer-engine-torch=={te}"]) + "\n")
+open(f"{sys.argv[2]}/gpu-constraints.txt", "w").write("\n".join(plain + te) + "\n")
 PY
 CONSTRAINTS="$VENV/gpu-constraints.txt"
 
@@ -70,7 +75,13 @@ log "installing the dependencies and gpu pins ($(grep -c . "$VENV/gpu-pins.txt")
 "$VPY" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else f"torch {torch.__version__} has no CUDA")'
 step_done "pins"
 
-if [[ "$WITH_TE" == 1 ]]; then
+if [[ "$WITH_TE" != 1 ]]; then
+  "$VPY" -m pip uninstall -q -y transformer-engine transformer-engine-cu12 transformer-engine-cu13 \
+    transformer-engine-torch 2>/dev/null || true
+  # pip leaves TE's empty folders behind; they import as a namespace package, and megatron.core
+  # then takes its TE path and fails.
+  rm -rf "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/transformer_engine"
+else
   # Built against the torch above (an isolated build would fetch another torch: wrong ABI). TE first
   # looks for a prebuilt wheel on GitHub, else compiles for NVTE_CUDA_ARCHS ("9.0;10.0" -> "90;100").
   log "installing transformer-engine-torch (a source build without a prebuilt wheel: long)"
@@ -89,7 +100,8 @@ fi
 step_done "megatron_rl + csrc/"
 
 # From outside the repository, so the installed package (not the source tree) is imported.
-(cd "$VENV" && MEGATRON_RL_OPS_BACKEND=strict "$VPY" - "$WITH_TE" <<'PY') || die "the check of the installed stack failed (above)"
+CHECK_FAILED="the check of the installed stack failed (above)"
+(cd "$VENV" && MEGATRON_RL_OPS_BACKEND=strict "$VPY" - "$WITH_TE" <<'PY') || die "$CHECK_FAILED"
 import importlib, sys
 import torch
 mods = ["megatron.core", "sglang"] + (["transformer_engine.pytorch"] if sys.argv[1] == "1" else [])

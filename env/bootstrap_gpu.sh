@@ -85,7 +85,15 @@ else
   # Built against the torch above (an isolated build would fetch another torch: wrong ABI). TE first
   # looks for a prebuilt wheel on GitHub, else compiles for NVTE_CUDA_ARCHS ("9.0;10.0" -> "90;100").
   log "installing transformer-engine-torch (a source build without a prebuilt wheel: long)"
-  NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="$(echo "$TORCH_CUDA_ARCH_LIST" | tr -d '.' | sed 's/+PTX//g')" \
+  # NCCL and some math-library headers are not in every CUDA toolkit (nccl.h, cusparse.h were missing
+  # on the machine that checked this); the nvidia-* wheels under torch ship them. Searched after the
+  # toolkit's own include folder (CPATH comes after -I).
+  NV="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
+  NV_INC=$(ls -d "$NV"/*/include 2>/dev/null | paste -sd: -)
+  NV_LIB=$(ls -d "$NV"/*/lib 2>/dev/null | paste -sd: -)
+  TE_ARCHS="$(echo "$TORCH_CUDA_ARCH_LIST" | tr -d '.' | sed 's/+PTX//g')"
+  CPATH="${CPATH:+$CPATH:}$NV_INC" LIBRARY_PATH="${LIBRARY_PATH:+$LIBRARY_PATH:}$NV_LIB" \
+    NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="$TE_ARCHS" \
     "${PIP[@]}" --no-build-isolation -c "$CONSTRAINTS" transformer-engine-torch
   step_done "transformer-engine-torch"
 fi

@@ -89,8 +89,8 @@ else
   # on the machine that checked this); the nvidia-* wheels under torch ship them. Searched after the
   # toolkit's own include folder (CPATH comes after -I).
   NV="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
-  NV_INC=$(ls -d "$NV"/*/include 2>/dev/null | paste -sd: -)
-  NV_LIB=$(ls -d "$NV"/*/lib 2>/dev/null | paste -sd: -)
+  NV_INC=$(ls -d "$NV"/*/include 2>/dev/null | paste -sd: - || true)
+  NV_LIB=$(ls -d "$NV"/*/lib 2>/dev/null | paste -sd: - || true)
   TE_ARCHS="$(echo "$TORCH_CUDA_ARCH_LIST" | tr -d '.' | sed 's/+PTX//g')"
   CPATH="${CPATH:+$CPATH:}$NV_INC" LIBRARY_PATH="${LIBRARY_PATH:+$LIBRARY_PATH:}$NV_LIB" \
     NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="$TE_ARCHS" \

@@ -100,6 +100,9 @@ fi
 
 log "installing megatron_rl with csrc/ compiled for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST (strict)"
 BUILD_LOG="$VENV/megatron_rl-build.log"
+# pip builds in the source tree: compiled objects in build/temp.* are reused, but build/lib* would
+# carry files deleted from the sources into the wheel.
+rm -rf "$ROOT"/build/lib "$ROOT"/build/lib.*
 if ! MEGATRON_RL_BUILD_EXT=cuda "$VPY" -m pip install -v --disable-pip-version-check --no-build-isolation \
     --force-reinstall --no-deps "$ROOT" > "$BUILD_LOG" 2>&1; then
   grep -E 'error|Error|ERROR' "$BUILD_LOG" | grep -v 'warning' | head -20 >&2 || true

@@ -10,7 +10,8 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML run config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.data_parallel=8")
-    parser.add_argument("--cluster", help="YAML of megatron_rl.tools.estimate.Cluster (GPU memory, generator_tp, ...)")
+    parser.add_argument("--cluster", help="YAML of megatron_rl.tools.estimate.Cluster (GPU memory, bandwidth, ...); the generator TP is the "
+                        "config's generator.tp_size (a generator_tp here must agree with it)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 

@@ -2,7 +2,8 @@
 
 Model shapes come from the HF config of `trainer.model` (only config.json is read: a directory
 with the architecture is enough, no weights needed). Hardware and the generator layout come from
-`Cluster` (a small YAML next to the run config; defaults: H100 80 GB). All numbers are estimates of
+`Cluster` (a small YAML next to the run config; defaults: H100 80 GB); the generator TP is the config's
+`generator.tp_size`. All numbers are estimates of
 the dominant terms; the formulas are written out below and in docs/tools.md.
 
 Trainer GPU (heaviest pipeline stage; TP shards every matrix, PP splits layers, DP replicates):
@@ -10,12 +11,12 @@ Trainer GPU (heaviest pipeline stage; TP shards every matrix, PP splits layers, 
 - gradients: 4 B x P_stage / TP (Megatron DDP buffer, grad_reduce_in_fp32 as in train/optimizer.py)
 - optimizer: Adam m and v (4 + 4 B) plus fp32 main weights for bf16 (4 B), divided by DP under the
   DistributedOptimizer (ZeRO-1), else not
-- activations: the tokens of one micro-batch (the packing bin, `trainer.micro_batch_tokens`) x
-  bytes per token per layer (2 B x (4h + 2(q+k+v) + 4 ffn): norm/attention inputs and outputs,
-  SwiGLU intermediates; flash attention, no s^2 term; sequence parallel divides by TP) x layers of
-  the stage x micro-batches the 1F1B schedule keeps in flight (up to PP on the first stage), plus
-  fp32 logits of one micro-batch (tokens x vocab / TP x 4 B) on the last stage
-Generator GPU (one SGLang replica over `generator_tp` GPUs): bf16 weights / generator_tp + KV cache
+- activations: `activation_memory` below (Korthikanti et al. 2022 adapted to GQA, SwiGLU, RMSNorm,
+  no dropout and flash attention; sequence parallel and recompute counted), for bins of
+  `trainer.micro_batch_tokens` tokens x the micro-batches the 1F1B schedule keeps in flight (up to PP
+  on the first stage), plus fp32 logits of one micro-batch and their gradient (tokens x vocab / TP x
+  8 B) on the last stage
+Generator GPU (one SGLang replica over `generator.tp_size` GPUs): bf16 weights / tp_size + KV cache
 (`generator.max_total_tokens` x layers x 2 x kv_heads_per_gpu x head_dim x 2 B) + a fixed runtime
 overhead. Throughput: decode is memory-bound (each step reads the weight shard and the live KV
 cache at `hbm_tbps` x `efficiency`); training is compute-bound at 6 x P FLOPs per token at `mfu`.
@@ -38,7 +39,9 @@ class Cluster:
     gpu_tflops: float = 989.0  # dense bf16 peak (H100 SXM)
     hbm_tbps: float = 3.35
     gpus_per_node: int = 8
-    generator_tp: int = 1  # GPUs per SGLang replica (tensor parallel inside SGLang)
+    # GPUs per SGLang replica: generator.tp_size of the run config is the only source; a value here must
+    # agree with it (ConfigError otherwise), so an old cluster file cannot silently change the estimate
+    generator_tp: int | None = None
     generator_overhead_gb: float = 4.0  # CUDA context, graphs, activations of a decode step
     trainer_overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
     mfu: float = 0.35  # model FLOPs utilisation of the trainer
@@ -96,6 +99,85 @@ class Shapes:
         return self.embedding * (1 if self.tied else 2) + self.layers * self.per_layer + self.hidden
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_parallel: bool = False,
+                      recompute: str = "none", recompute_method: str = "uniform", recompute_num_layers: int = 1,
+                      stage_layers: int | None = None, in_flight: int = 1, elem_bytes: int = 2,
+                      kernels: str = "fused") -> dict[str, float]:
+    """Peak activation bytes of one pipeline stage in a training step (per GPU), logits excluded.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
+    34 sbh + 5 a s^2 b bytes per GPT layer (GeLU, dropout, softmax attention; /t with TP and sequence
+    parallel, the s^2 term gone with selective recompute). These models have RMSNorm, SwiGLU, GQA, no
+    dropout and flash (TE) or per-segment SDPA attention, so there is no s^2 term, and the count below
+    is what Megatron's code keeps alive per token and layer (checked tensor by tensor with autograd's
+    saved-tensor hooks on CPU), in elements, with q = heads x head_dim, kv = kv_heads x head_dim (KV
+    groups padded to a multiple of TP as model.py does), f = ffn, t = TP, d = t with sequence parallel
+    else 1, e = bytes per element:
+
+        fused (GPU: TE norm+linear, fused RoPE, flash attention, fused SwiGLU):
+            A = e x [ 4h/d + (3q + 3kv + 3f)/t ]
+        local (the CPU local spec, nothing fused):
+            A = e x [ 6h/d + (4q + 3kv + 5f)/t + 4 head_dim ]
+
+    - norms: the input and the output (= the next projection's input) of both norms, 4h; the unfused
+      torch RMSNorm keeps its normalised input too, 6h; with sequence parallel all are 1/t token shards;
+    - attention: the QKV projection output stays alive whole (V is a view of it), plus the rotated
+      q and k and the attention output (the output projection's input): 3q + 3kv; the local spec also
+      keeps SDPA's own output apart from the projection's reshaped copy (+q) and RoPE's cos/sin
+      (4 head_dim);
+    - SwiGLU: the FC1 output 2f and the FC2 input f; unfused, silu(gate) and one more f (5f).
+
+    Stored per micro-batch in flight, L = stage_layers:
+    - none: L x A;
+    - selective (Megatron's core_attn recompute): the core attention's own saved tensors go. Its inputs
+      q/k/v stay (they are the checkpoint's inputs) and its output stays (the output projection keeps
+      it), so with flash attention nothing is saved (Megatron warns as much for fused attention); the
+      paper's 5as^2b term does not exist here. On the local spec SDPA's separate output copy (q/t) goes;
+    - full, uniform, n = recompute_num_layers: ceil(L / n) group inputs of e x h/d, plus once (the
+      backward re-runs one group at a time) n x A;
+    - full, block: min(n, L) layer inputs + (L - min(n, L)) x A, plus one A once.
+    Plus, per micro-batch, the final norm's input and output (2h/d fused, 3h/d local). Returns bytes:
+    `per_layer` (A x tokens), `stored` (all micro-batches in flight), `working` (the recompute working
+    set), `total`. tests/unit/test_tools_step_memory.py checks `local` against the measured peak.
+    """
+    if kernels not in ("fused", "local"):
+        raise ValueError(f"kernels {kernels!r}: fused or local")
+    t, d = tp, (tp if sequence_parallel else 1)
+    layers = shapes.layers if stage_layers is None else stage_layers
+    h, local = shapes.hidden, kernels == "local"
+    kv_heads = _round_up(shapes.kv_heads, tp)
+    q = kv_heads * (shapes.heads // shapes.kv_heads) * shapes.head_dim
+    kv = kv_heads * shapes.head_dim
+    f = _round_up(shapes.ffn, tp)
+    if local:
+        per_token = 6 * h / d + (4 * q + 3 * kv + 5 * f) / t + 4 * shapes.head_dim
+        attn_core = q / t  # SDPA's own output, apart from the output projection's input
+    else:
+        per_token, attn_core = 4 * h / d + (3 * q + 3 * kv + 3 * f) / t, 0.0
+    layer = tokens * elem_bytes * per_token
+    layer_input = tokens * elem_bytes * h / d
+    working = 0.0
+    if recompute == "none":
+        stored = layers * layer
+    elif recompute == "selective":
+        stored = layers * (layer - tokens * elem_bytes * attn_core)
+    elif recompute == "full" and recompute_method == "uniform":
+        n = min(recompute_num_layers, layers)
+        stored, working = -(-layers // n) * layer_input, n * layer
+    elif recompute == "full" and recompute_method == "block":
+        n = min(recompute_num_layers, layers)
+        stored, working = n * layer_input + (layers - n) * layer, layer
+    else:
+        raise ValueError(f"recompute {recompute!r} / recompute_method {recompute_method!r}")
+    head = tokens * elem_bytes * (3 if local else 2) * h / d
+    stored = in_flight * (stored + head)
+    return {"per_layer": layer, "stored": stored, "working": working, "total": stored + working}
+
+
 @dataclass
 class Estimate:
     params: int
@@ -127,16 +209,22 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     opt_bytes = 8 + (4 if t.precision == "bf16" else 0)
     tr = {"weights": wbytes * p_stage / tp / GB, "gradients": 4 * p_stage / tp / GB,
           "optimizer": opt_bytes * p_stage / tp / (dp if t.distributed_optimizer else 1) / GB}
-    h, hd = shapes.hidden, shapes.head_dim
-    per_token_layer = 2 * (4 * h + 2 * (shapes.heads + 2 * shapes.kv_heads) * hd + 4 * shapes.ffn) / tp
+    hd = shapes.head_dim
     micro_batches = max(1, r.n_batch // r.n_mini // dp)  # sequences per DP rank per step >= bins
     in_flight = min(pp, micro_batches)
     tokens = t.micro_batch_tokens
-    tr["activations"] = tokens * per_token_layer * stage_layers * in_flight / GB
+    act = activation_memory(shapes, tokens, tp=tp, sequence_parallel=t.sequence_parallel,
+                            recompute=t.recompute, recompute_method=t.recompute_method,
+                            recompute_num_layers=t.recompute_num_layers, stage_layers=stage_layers,
+                            in_flight=in_flight, elem_bytes=wbytes)
+    tr["activations"] = act["total"] / GB
     tr["logits"] = tokens * shapes.vocab / tp * 4 * 2 / GB  # logits + their gradient, fp32
     tr["overhead"] = cluster.trainer_overhead_gb
     tr["total"] = sum(tr.values())
-    gtp = cluster.generator_tp
+    gtp = g.tp_size
+    if cluster.generator_tp is not None and cluster.generator_tp != gtp:
+        raise ConfigError(f"the cluster's generator_tp={cluster.generator_tp} disagrees with generator.tp_size={gtp} "
+                          "of the config, which is the single source of the generator layout: drop generator_tp")
     kv_per_gpu = max(1, shapes.kv_heads // gtp) if shapes.kv_heads >= gtp else 1
     kv_token = shapes.layers * 2 * kv_per_gpu * hd * 2
     ge = {"weights": 2 * shapes.total / gtp / GB, "kv_cache": g.max_total_tokens * kv_token / GB,
@@ -169,7 +257,8 @@ def render(e: Estimate, cfg: Config) -> str:
     t, g = cfg.trainer, cfg.generator
     lines = [f"model: {e.params / 1e9:.2f} B parameters",
              f"trainer: {e.trainer_gpus} GPUs (TP={t.tensor_parallel} PP={t.pipeline_parallel} "
-             f"DP={t.data_parallel}, {t.precision}, distributed_optimizer={t.distributed_optimizer})",
+             f"DP={t.data_parallel}, sequence_parallel={t.sequence_parallel}, recompute={t.recompute}, "
+             f"{t.precision}, distributed_optimizer={t.distributed_optimizer})",
              "  per GPU: " + ", ".join(f"{k} {v:.1f} GB" for k, v in e.trainer_gb.items()),
              f"generators: {g.num_generators} x {e.generator_gpus // max(1, g.num_generators)} GPUs "
              f"(KV cache {g.max_total_tokens} tokens)",

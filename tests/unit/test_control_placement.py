@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main as cli
-from megatron_rl.config import load_config
+from megatron_rl.config import length_stages, load_config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.node import NodeEnvError, NodeInfo, assign_gpus, check_gpus_exist
 from megatron_rl.control.placement import PlacementError, check_run, default_hosts, notes, place
@@ -159,20 +159,22 @@ def test_sbatch_scripts_take_their_task_count_from_plan(name, ranks, capsys):
     p = place(cfg, default_hosts(nodes), gpn)
     assert p.world_size == RankLayout.from_config(cfg).world_size == ranks
     assert p.nodes_used == nodes and notes(p) == []
-    # The shipped recipes grow generation to 32k / 40k tokens with 8192-token packing bins: plan
-    # refuses them (the trainer would stop at the first long rollout) and so does the script.
+    # The shipped recipes grow generation to 32k / 40k tokens; their bins hold the longest sequence
+    # and SP + recompute keep a trainer GPU under 80 GB: plan accepts them and prints the count the
+    # script hands srun.
     rc = cli(["plan", str(EXAMPLES / f"{name}.yaml"), "--nodes", str(nodes), "--gpus-per-node", str(gpn),
-              "--print-tasks"])
-    captured = capsys.readouterr()
-    assert rc == 3 and captured.out == "" and "trainer.micro_batch_tokens=8192 is smaller" in captured.err
-    # With generation capped inside the bin, plan passes and prints the count the script hands srun.
-    short = [f"rollout.max_new_tokens=6144", "rollout.length_schedule=[]", "reward.l_max=null",
-             "reward.l_cache=2048"]
-    rc = cli(["plan", str(EXAMPLES / f"{name}.yaml"), *short, "--nodes", str(nodes), "--gpus-per-node", str(gpn),
               "--print-tasks"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert captured.out == f"{ranks}\n"
+    # the bin must hold prompt + the longest generation: one token less and plan refuses
+    longest = 1024 + max(s.max_new_tokens for s in length_stages(cfg.rollout.length_schedule,
+                                                                   cfg.rollout.max_new_tokens, cfg.reward))
+    assert cfg.trainer.micro_batch_tokens == longest
+    rc = cli(["plan", str(EXAMPLES / f"{name}.yaml"), f"trainer.micro_batch_tokens={longest - 8}", "--nodes",
+              str(nodes), "--gpus-per-node", str(gpn), "--print-tasks"])
+    captured = capsys.readouterr()
+    assert rc == 3 and captured.out == "" and f"trainer.micro_batch_tokens={longest - 8} is smaller" in captured.err
 
 
 def test_plan_bad_input_is_one_line_naming_the_cause(tmp_path, capsys):

@@ -35,6 +35,7 @@ def test_scale_examples_fit_and_count_parameters_like_hf(name, lo, hi, capsys):
     assert rc == 0 and "fits" in out and "trainer:" in out and "generators:" in out
     e = estimate(cfg, Cluster.load(EXAMPLES / f"{name}.cluster.yaml"), shapes)
     assert e.fits and e.trainer_gpus == 32 * (1 if name == "magistral_small" else 8)
+    assert cfg.trainer.sequence_parallel and cfg.trainer.recompute == "full"
 
 
 def test_tied_embeddings_counted_once(tiny_llama_dir):
@@ -68,7 +69,7 @@ def test_memory_terms_follow_sharding():
 def test_cli_exit_status_when_it_does_not_fit(capsys):
     from megatron_rl.cli import main
 
-    rc = main(["estimate", str(EXAMPLES / "magistral_small.yaml"), "trainer.tensor_parallel=1",
+    rc = main(["estimate", str(EXAMPLES / "magistral_small.yaml"), "trainer.tensor_parallel=1", "trainer.sequence_parallel=false",
                "trainer.data_parallel=1", "--json"])
     assert rc == 3
     assert main(["estimate", str(EXAMPLES / "missing.yaml")]) == 1
@@ -85,3 +86,44 @@ def test_pipeline_must_split_layers():
     cfg = load_config(EXAMPLES / "magistral_small.yaml", ["trainer.pipeline_parallel=3"])
     with pytest.raises(ValueError):
         estimate(cfg, Cluster(), Shapes(100, 8, 40, 2, 2, 4, 16, False))
+
+
+def test_sequence_parallel_and_recompute_shrink_activations_as_the_formula_says():
+    from megatron_rl.tools.estimate import activation_memory
+
+    shapes = Shapes(32000, 1024, 8, 16, 4, 64, 2816, False)
+    base = activation_memory(shapes, 8192, tp=4)
+    sp = activation_memory(shapes, 8192, tp=4, sequence_parallel=True)
+    # SP divides only the norm / projection-input part (4h per token and layer) by TP
+    assert base["total"] - sp["total"] == pytest.approx(8192 * 2 * (4 * 1024 * 8 + 2 * 1024) * (1 - 1 / 4))
+    # flash attention keeps nothing selective recompute could drop; the local spec's SDPA copy goes
+    assert activation_memory(shapes, 8192, tp=4, recompute="selective")["total"] == base["total"]
+    local = activation_memory(shapes, 8192, kernels="local")
+    sel = activation_memory(shapes, 8192, kernels="local", recompute="selective")
+    assert local["total"] - sel["total"] == pytest.approx(8192 * 2 * 16 * 64 * 8)
+    full = activation_memory(shapes, 8192, tp=4, recompute="full")
+    # full: the 8 layer inputs and the final norm input/output, h each, plus one layer re-run
+    assert full["working"] == base["per_layer"] and full["stored"] == 8192 * 2 * (8 + 2) * 1024
+    block = activation_memory(shapes, 8192, tp=4, recompute="full", recompute_method="block", recompute_num_layers=3)
+    assert block["stored"] > full["stored"] and block["working"] == base["per_layer"]
+    # every micro-batch the 1F1B schedule keeps in flight holds its own activations, the working set once
+    two = activation_memory(shapes, 8192, tp=4, recompute="full", in_flight=2)
+    assert two["stored"] == pytest.approx(2 * full["stored"]) and two["working"] == full["working"]
+
+
+def test_generator_tp_comes_from_the_config(tmp_path, capsys):
+    from megatron_rl.cli import main
+    from megatron_rl.config_tree import ConfigError
+
+    cfg = load_config(EXAMPLES / "magistral_small.yaml")
+    shapes = shapes_of(cfg)
+    e = estimate(cfg, Cluster(), shapes)
+    wider = estimate(load_config(EXAMPLES / "magistral_small.yaml", ["generator.tp_size=4"]), Cluster(), shapes)
+    assert wider.generator_gb["weights"] == pytest.approx(e.generator_gb["weights"] / 2)
+    assert estimate(cfg, Cluster(generator_tp=cfg.generator.tp_size), shapes).generator_gb == e.generator_gb
+    with pytest.raises(ConfigError, match="generator_tp=8 disagrees with generator.tp_size=2"):
+        estimate(cfg, Cluster(generator_tp=8), shapes)
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("gpu_memory_gb: 80\ngenerator_tp: 8\n")
+    assert main(["estimate", str(EXAMPLES / "magistral_small.yaml"), "--cluster", str(cluster)]) == 1
+    assert "disagrees with generator.tp_size" in capsys.readouterr().err

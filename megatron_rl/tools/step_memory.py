@@ -1,0 +1,101 @@
+"""Measure one real training step's peak memory growth and speed on this machine, in a fresh process.
+
+    measure(spec) -> {"growth_bytes", "tokens_per_s", "tokens", "n_micro_batches", ...}
+    python -m megatron_rl.tools.step_memory SPEC.json   # the child: prints one JSON line
+
+`spec`: {"model": HF LlamaConfig keyword arguments (random weights, nothing read from disk),
+"trainer": trainer config keys, "seq_lengths": [...], "prompt_len": int, "repeats": int, "seed": int}.
+The child builds the `Trainer` (one process, gloo), runs `step.forward_backward` (the RL loss, packing,
+Megatron's schedule: the step without the optimizer) once to warm up, then measures the next one:
+growth = peak RSS during the step - RSS before it (`platform.memory`, glibc returning large frees at
+once), i.e. what the step's activations, logits and backward temporaries take at their peak. Then
+`repeats` more steps are timed. On a GPU the CUDA allocator's peak is reported instead.
+Used by benchmarks/recompute.py and tests/unit/test_tools_step_memory.py to check
+`tools.estimate.activation_memory`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _sequences(spec: dict, vocab: int):
+    import torch
+
+    from megatron_rl.records import TrainSequence
+
+    g = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+    p = int(spec.get("prompt_len", 16))
+    seqs = []
+    for i, n in enumerate(spec["seq_lengths"]):
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        # behaviour logprobs near the uniform policy's: ratios around 1, both clip branches reached
+        blp = (-torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn(n - p, generator=g)).tolist()
+        seqs.append(TrainSequence(ids, p, blp, advantage=1.0 if i % 2 else -1.0))
+    return seqs
+
+
+def child(spec: dict) -> dict:
+    import torch
+    from transformers import LlamaConfig
+
+    from megatron_rl.config import config_from_dict
+    from megatron_rl.platform import memory
+    from megatron_rl.train.step import forward_backward
+    from megatron_rl.train.trainer import Trainer
+
+    torch.manual_seed(int(spec.get("seed", 0)))
+    hf_config = LlamaConfig(**spec["model"])
+    config = config_from_dict({"trainer": {"model": "random", **spec["trainer"]}})
+    trainer = Trainer(config, hf_config=hf_config, load_weights=False)
+    seqs = _sequences(spec, hf_config.vocab_size)
+    cuda = torch.cuda.is_available()
+    out = forward_backward(trainer.model, seqs, trainer.ctx)  # warm-up: one-time buffers and caches
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = memory.rss_bytes()
+        memory.reset_peak_rss()
+    start = time.perf_counter()
+    out = forward_backward(trainer.model, seqs, trainer.ctx)
+    if cuda:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() if cuda else memory.peak_rss_bytes()
+    times = [first]
+    for _ in range(int(spec.get("repeats", 0))):
+        start = time.perf_counter()
+        forward_backward(trainer.model, seqs, trainer.ctx)
+        times.append(time.perf_counter() - start)
+    tokens = sum(spec["seq_lengths"])
+    return {"growth_bytes": peak - before, "before_bytes": before, "tokens": tokens,
+            "tokens_per_s": tokens * len(times) / sum(times), "n_micro_batches": out.n_micro_batches,
+            "loss": out.metrics["loss"], "device": "cuda" if cuda else "cpu"}
+
+
+def measure(spec: dict, timeout: float = 900) -> dict:
+    """Run `child(spec)` in a fresh Python process (its own allocator state and peak) and return its
+    result; RuntimeError with the child's stderr tail when it fails."""
+    from megatron_rl.platform.memory import exact_malloc_env
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = exact_malloc_env()
+    env["PYTHONPATH"] = repo + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.step_memory", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=repo)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"step_memory child failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    result = child(json.loads(sys.argv[1]))
+    print(json.dumps(result), flush=True)

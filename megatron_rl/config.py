@@ -319,6 +319,11 @@ class Config:
             check(self.algo.proximal == "trainer" and bounded, "rollout.stale_policy",
                    "reweight trains stale samples with bounded importance weights: it needs algo.proximal: "
                    "trainer and algo.tis_cap set (or algo.is_correction: token_mask)")
+        # sequence-level loss terms need all of a sequence's tokens, which context parallel spreads out
+        check(self.trainer.context_parallel == 1 or (self.algo.kl_mode != "k2"
+                                                     and self.algo.is_correction != "sequence_tis"),
+              "trainer.context_parallel", "> 1 does not support algo.kl_mode: k2 nor algo.is_correction: "
+              "sequence_tis yet (sequence-level terms); use kl_mode: reward or a token-level correction")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

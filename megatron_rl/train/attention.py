@@ -20,7 +20,12 @@ fp16 inputs, TP (heads arrive already split per rank), and sliding windows (`con
 (left, 0) with `window_attn_skip_freq`): key j is visible from query i of the same segment iff
 i - left <= j <= i. Megatron's local module replaces the packing mask with a whole-row window mask
 (leaking across segments), so windows are applied here per segment, exactly. Not supported (raise at
-construction): attention dropout > 0, context parallelism, non-vanilla softmax types.
+construction): attention dropout > 0, non-vanilla softmax types.
+
+Context parallel (config.context_parallel_size > 1): q/k/v hold this CP rank's load-balanced chunks
+and `cu_seqlens_q` the whole row's boundaries (or, with no mask, each row is one causal sequence
+split the same way); `cp_attention.cp_attention` gathers K/V over the CP group and masks by global
+positions. Explicit [T, T] masks are refused under CP.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from .cp_attention import cp_attention
 
 
 class UnsupportedMaskError(ValueError):
@@ -104,8 +111,6 @@ class SegmentCausalAttention(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SegmentCausalAttention does not support context parallelism")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"SegmentCausalAttention needs attention_dropout=0, got {dropout}")
@@ -114,8 +119,14 @@ class SegmentCausalAttention(MegatronModule):
                              f"got {config.softmax_type!r}")
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if config.context_parallel_size > 1 and self.cp_group is None:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = ps.get_context_parallel_group()
+        self.cp_size = config.context_parallel_size
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -146,8 +157,10 @@ class SegmentCausalAttention(MegatronModule):
             q, kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
             if kv is not None and not torch.equal(q.cpu(), kv.cpu()):
                 raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
-            return [segments_from_cu_seqlens(q, s)]
+            return [segments_from_cu_seqlens(q, s * self.cp_size)]  # whole-row boundaries under CP
         if attention_mask is not None:
+            if self.cp_size > 1:
+                raise UnsupportedMaskError("context parallelism needs packed_seq_params (THD) or no mask")
             rows = _cached_mask_segments(attention_mask)
             if attention_mask.shape[-1] != s:
                 raise UnsupportedMaskError(f"mask is for {attention_mask.shape[-1]} tokens, input has {s}")
@@ -158,7 +171,7 @@ class SegmentCausalAttention(MegatronModule):
         if mask_type != AttnMaskType.causal:
             raise UnsupportedMaskError(f"no attention mask with attn_mask_type={mask_type}: only causal "
                                        "attention is supported")
-        return [[(0, s)]]
+        return [[(0, s * self.cp_size)]]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, np, L, hn], k/v [n, ng, L, hn] -> [n, np, L, hn], causal (+ window) per row."""
@@ -189,7 +202,11 @@ class SegmentCausalAttention(MegatronModule):
         rows = self._segments(s, b, attention_mask, attn_mask_type, packed_seq_params)
         # [s, b, h, hn] -> [b, h, s, hn]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        if len(rows) == 1 and len(rows[0]) == 1:  # one segment per row: one call for the batch
+        if self.cp_size > 1:
+            out = torch.cat([cp_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], rows[r if len(rows) > 1 else 0],
+                                          self.cp_group, self.softmax_scale, self.window_left,
+                                          self.heads_per_rank != self.groups_per_rank) for r in range(b)])
+        elif len(rows) == 1 and len(rows[0]) == 1:  # one segment per row: one call for the batch
             out = self._attend(q, k, v)
         else:
             outs = []

@@ -23,6 +23,8 @@ llama-3 scaling; only its fixed low/high frequency factors 1/4 and 8192 original
 does so, else folded into the softmax scale as mscale^2). Other types raise `UnsupportedModelError`.
 
 Specs: Transformer Engine layers on GPU when TE imports (use_te=None), the local spec otherwise.
+Context parallel (`layout.cp`): TE's THD CP attention (p2p ring) on GPU, `attention.SegmentCausalAttention`'s
+all-gather path on the local spec; the step feeds both the same load-balanced chunks (packing.py).
 
 Activation memory (docs/train.md): sequence parallel comes from the layout; `Recompute` maps
 trainer.recompute to Megatron's options. Selective recompute checkpoints `self_attention.core_attention`
@@ -247,7 +249,9 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         attention_softmax_in_fp32=True,
         window_size=(dims.sliding_window - 1, 0) if dims.sliding_window else None,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        sequence_parallel=layout.sequence_parallel,
+        sequence_parallel=layout.sequence_parallel, context_parallel_size=layout.cp,
+        # TE's CP attention: K/V chunks passed round the CP ring (the local spec gathers them instead)
+        cp_comm_type="p2p" if layout.cp > 1 else None,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
         pipeline_dtype=dtype, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -292,7 +296,8 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("call megatron_rl.train.parallel.init_parallel(layout) before build_model")
     if ps.get_tensor_model_parallel_world_size() != layout.tp or \
-            ps.get_pipeline_model_parallel_world_size() != layout.pp:
+            ps.get_pipeline_model_parallel_world_size() != layout.pp or \
+            ps.get_context_parallel_world_size() != layout.cp:
         raise ValueError("layout does not match the initialised parallel state")
     dims = model_dims(hf_config, layout.tp)
     if use_te is None:

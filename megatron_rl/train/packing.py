@@ -7,6 +7,12 @@ built from the same boundaries). Bins are filled first-fit decreasing.
 Packing builds its tensors on the CPU (cheap, device-agnostic); the step moves each micro-batch to the
 model's device once with `PackedMicroBatch.to` before any forward reads it.
 
+Context parallel (`cp=(CP, rank)`): each sequence's segment is padded to a multiple of 2*CP (trailing
+pad tokens of its own segment, no loss: causal attention keeps them out of the real tokens), and
+`PackedMicroBatch.cp_slice` keeps chunks r and 2*CP-1-r of every segment for rank r, in segment
+order: Megatron's load balancing, the THD partitioning that Transformer Engine's CP attention and
+Megatron's THD RoPE expect (`cu_seqlens` stay those of the whole row).
+
 Label alignment: the logit at position t predicts token t+1, so a completion token at index k of
 its sequence (k >= prompt_len) is scored at position k-1. `loss_mask` marks those positions;
 `behaviour_logprobs` and `advantages` are placed there as well. The last token of each sequence
@@ -94,6 +100,9 @@ class PackedMicroBatch:
     ref_logprobs: torch.Tensor | None = None
     # long [1, T]: weight version that sampled each label (-1: not a completion token, or unknown)
     weight_versions: torch.Tensor | None = None
+    # (CP size, CP rank) once `cp_slice` kept this rank's chunks: tensors hold T / CP tokens, while
+    # cu_seqlens still describe the whole row
+    cp: tuple[int, int] | None = None
 
     @property
     def length(self) -> int:
@@ -125,8 +134,21 @@ class PackedMicroBatch:
         adv = per_segment[self.segment_ids.clamp_max(real)]
         self.advantages = torch.where(self.loss_mask[0] > 0, adv, 0.0).unsqueeze(0)
 
+    def cp_slice(self, cp_size: int, cp_rank: int) -> "PackedMicroBatch":
+        """This CP rank's tokens: chunks `cp_rank` and `2*cp_size-1-cp_rank` of each segment, in order."""
+        if self.cp is not None:
+            raise ValueError("micro-batch already sliced for context parallelism")
+        if cp_size == 1:
+            return self
+        index = cp_token_index(self.cu_seqlens, cp_size, cp_rank).to(self.tokens.device)
+        sliced = {f.name: getattr(self, f.name).index_select(-1, index) for f in dataclasses.fields(self)
+                  if f.name != "cu_seqlens" and isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **sliced, cp=(cp_size, cp_rank))
+
     def attention_mask(self) -> torch.Tensor:
         """Block-diagonal causal mask `[1, 1, T, T]`, Megatron convention: True = masked out."""
+        if self.cp is not None:
+            raise ValueError("a context-parallel micro-batch has no [T, T] mask: use packed_seq_params()")
         seg = self.segment_ids
         same = seg.unsqueeze(0) == seg.unsqueeze(1)
         causal = torch.ones(self.length, self.length, dtype=torch.bool, device=seg.device).tril_()
@@ -136,6 +158,7 @@ class PackedMicroBatch:
         """THD `PackedSeqParams` for Transformer Engine attention (GPU path)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        # whole-row boundaries (each segment a multiple of 2*CP under CP), as TE's THD CP attention wants
         cu = self.cu_seqlens.to(torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max().item())
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -170,8 +193,24 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Row indices CP rank `cp_rank` holds: per segment of `cu_seqlens` (each a multiple of 2*cp_size
+    long), its chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size equal chunks."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside a CP group of {cp_size}")
+    parts = []
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    for a, b in zip(cu, cu[1:]):
+        if (b - a) % (2 * cp_size):
+            raise ValueError(f"segment [{a}, {b}) is not a multiple of 2*CP={2 * cp_size} tokens long")
+        c = (b - a) // (2 * cp_size)
+        for j in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(a + j * c, a + (j + 1) * c))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Sequence[float],
-               length: int, pad_id: int) -> PackedMicroBatch:
+               length: int, pad_id: int, seq_multiple: int = 1) -> PackedMicroBatch:
     tokens = torch.full((length,), pad_id, dtype=torch.long)
     position_ids = torch.zeros(length, dtype=torch.long)
     labels = torch.zeros(length, dtype=torch.long)
@@ -183,13 +222,12 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     temps = [float(seqs[i].temperature) for i in indices]
     temperature = torch.ones(length, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
     cu = [0]
-    start = 0
+    start = real = 0
     for j, i in enumerate(indices):
         s = seqs[i]
         n, p = len(s.token_ids), s.prompt_len
         ids = torch.tensor(s.token_ids, dtype=torch.long)
         tokens[start:start + n] = ids
-        position_ids[start:start + n] = torch.arange(n)
         labels[start:start + n - 1] = ids[1:]
         # completion token k (p <= k < n) is predicted at position k-1
         loss_mask[start + p - 1:start + n - 1] = 1.0
@@ -197,10 +235,13 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         adv[start + p - 1:start + n - 1] = float(advantages[i])
         if s.weight_versions:
             versions[start + p - 1:start + n - 1] = torch.tensor(s.weight_versions, dtype=torch.long)
-        segment_ids[start:start + n] = j
+        padded = _round_up(n, seq_multiple)  # CP: the segment's own pad tokens follow it (no loss)
+        position_ids[start:start + padded] = torch.arange(padded)
+        segment_ids[start:start + padded] = j
         if temperature is not None:
-            temperature[start:start + n] = temps[j]
-        start += n
+            temperature[start:start + padded] = temps[j]
+        start += padded
+        real += n
         cu.append(start)
     if start < length:  # padding: its own causal segment, positions from 0, no loss
         position_ids[start:] = torch.arange(length - start)
@@ -209,37 +250,43 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         tokens=tokens.unsqueeze(0), position_ids=position_ids.unsqueeze(0), labels=labels.unsqueeze(0),
         loss_mask=loss_mask.unsqueeze(0), behaviour_logprobs=blp.unsqueeze(0), advantages=adv.unsqueeze(0),
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        seq_indices=list(indices), n_real_tokens=start,
+        seq_indices=list(indices), n_real_tokens=real,
         temperature=None if temperature is None else temperature.unsqueeze(0),
         weight_versions=versions.unsqueeze(0))
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,
-                   pad_multiple: int = 1, pad_to_common: bool = False, pad_id: int = 0) -> PackedBatch:
+                   pad_multiple: int = 1, pad_to_common: bool = False, pad_id: int = 0,
+                   cp: tuple[int, int] = (1, 0)) -> PackedBatch:
     """Pack `seqs` into bins of at most `capacity` tokens, one `PackedMicroBatch` per bin.
 
     advantages: one value per sequence (defaults to each sequence's own `advantage`).
     pad_multiple: round each bin length up to a multiple (e.g. the TP size with sequence parallel).
     pad_to_common: give every bin the same length (pipeline parallelism exchanges fixed shapes).
+    cp: (CP size, CP rank): every sequence is padded to a multiple of 2*CP, each bin to a multiple of
+        2*CP*pad_multiple, and the micro-batches hold this rank's chunks (`PackedMicroBatch.cp_slice`).
     """
     if not seqs:
         raise ValueError("cannot pack an empty list of sequences")
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    seq_multiple = 2 * cp[0] if cp[0] > 1 else 1
+    pad_multiple *= seq_multiple  # the bin's padding segment is then a multiple of 2*CP too
     if advantages is None:
         advantages = [s.advantage for s in seqs]
     if len(advantages) != len(seqs):
         raise ValueError(f"{len(advantages)} advantages for {len(seqs)} sequences")
     lengths = [len(s.token_ids) for s in seqs]
-    bins = first_fit_decreasing(lengths, capacity)
+    padded = [_round_up(n, seq_multiple) for n in lengths]
+    bins = first_fit_decreasing(padded, capacity)
     # keep the order of the input inside each bin, and order bins by their first sequence
     bins = sorted((sorted(b) for b in bins), key=lambda b: b[0])
-    used = [sum(lengths[i] for i in b) for b in bins]
+    used = [sum(padded[i] for i in b) for b in bins]
     sizes = [_round_up(u, pad_multiple) for u in used]
     common = max(sizes)
     if pad_to_common:
         sizes = [common] * len(bins)
-    mbs = [_build_row(seqs, b, advantages, n, pad_id) for b, n in zip(bins, sizes)]
+    mbs = [_build_row(seqs, b, advantages, n, pad_id, seq_multiple).cp_slice(*cp) for b, n in zip(bins, sizes)]
     stats = PackingStats(n_sequences=len(seqs), n_bins=len(bins), real_tokens=sum(lengths),
                          packed_tokens=sum(sizes), naive_tokens=len(seqs) * max(lengths))
     return PackedBatch(micro_batches=mbs, stats=stats, seq_length=common)

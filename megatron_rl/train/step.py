@@ -25,8 +25,9 @@ k2 term with weight kl_coef * n_tokens / n_sequences of the minibatch, so that a
 by the token count it is kl_coef times the minibatch mean of 1/2 (log pi(y) - log ref(y))^2.
 The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only, through the
 chunked `train.logprobs.token_logprobs`).
-Metrics are reduced over micro-batches and DP ranks and broadcast from the last pipeline stage,
+Metrics are reduced over micro-batches and DP x CP ranks and broadcast from the last pipeline stage,
 so every rank returns the same numbers.
+Context parallel: each CP rank keeps its chunks of the same bins (packing.py); counts and grads sum over DP x CP.
 Mismatch metrics (`algo.mismatch`): trainer logprobs of the update start's weights vs the generator's,
 by version lag, from the proximal pass when one ran, else from the loss forward's own logprobs where
 the weights are still `ctx.policy_version` (`ctx.weights_at_version`: an update's first minibatch).
@@ -57,6 +58,7 @@ from megatron_rl.ops import SequenceKL, fused_clipped_loss
 from megatron_rl.train.device import model_device
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, pack_sequences, split_balanced
+from megatron_rl.train.parallel import cp_size_rank, dp_cp_group
 
 Objective = Literal["rl", "sft"]
 # Reduced per micro-batch: sums, then mins/maxes (order matters for the all-reduce below).
@@ -80,7 +82,6 @@ class StepContext:
     # the weights are exactly those of policy_version (first minibatch of an update, or an evaluation):
     # the loss forward's logprobs then give the mismatch metrics when no proximal pass ran
     weights_at_version: bool = False
-
 
 
 @dataclass
@@ -206,7 +207,8 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
                    "entropy_sum": (torch.where(mask, entropy, 0.0).sum().float() if entropy is not None
                                    else torch.tensor(float("nan"), device=dev)),
                    "logprob_sum": torch.where(mask, logp.detach(), 0.0).sum().float(),
-                   "seq_count": torch.tensor(float(len(mb.seq_indices)), device=dev)}
+                   # a sequence spans every CP rank: counted once, on CP rank 0
+                   "seq_count": torch.tensor(float(len(mb.seq_indices) * (not mb.cp or mb.cp[1] == 0)), device=dev)}
         reduced.update({k: v.float() for k, v in stats.items()})
         reduced.update(_mismatch_stats(mb, logp.detach() if objective == "rl" else None, mask, ctx))
     # the schedule backpropagates loss_sum; finalize_model_grads divides grads by the summed count
@@ -239,7 +241,7 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
         mins = torch.minimum(mins, torch.stack([d[k] for k in _MIN_KEYS]))
         maxs = torch.maximum(maxs, torch.cat([torch.stack([d[k] for k in _MAX_KEYS]), d["mismatch_max"]]))
     if dist.is_initialized():
-        dp = ps.get_data_parallel_group()
+        dp = dp_cp_group()  # CP ranks hold disjoint tokens of the same sequences
         dist.all_reduce(sums, group=dp)
         dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=dp)
         dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=dp)
@@ -252,12 +254,10 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
     maxs, mm_max = maxs.split([len(_MAX_KEYS), n_bins])
     s = dict(zip(_SUM_KEYS, sums.tolist()))
     n = max(s["n_tokens"], 1.0)
-    out = {
-        "loss": s["loss_sum"] / n, "n_loss_tokens": s["n_tokens"],
-        "clip_frac_low": s["clip_low"] / n, "clip_frac_high": s["clip_high"] / n,
-        "ratio_mean": s["ratio_sum"] / n, "ratio_min": float(mins[0]), "ratio_max": float(maxs[0]),
-        "logprob_mean": s["logprob_sum"] / n,
-    }
+    out = {"loss": s["loss_sum"] / n, "n_loss_tokens": s["n_tokens"],
+           "clip_frac_low": s["clip_low"] / n, "clip_frac_high": s["clip_high"] / n,
+           "ratio_mean": s["ratio_sum"] / n, "ratio_min": float(mins[0]), "ratio_max": float(maxs[0]),
+           "logprob_mean": s["logprob_sum"] / n}
     if ctx.trainer.log_entropy:  # not measured otherwise: absent rather than NaN in the metrics files
         out["entropy"] = s["entropy_sum"] / n
     if ctx.algo.kl_mode != "none":  # per-sequence k1 estimate of KL(policy || reference)
@@ -299,8 +299,8 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
     share = split_balanced([len(s.token_ids) for s in seqs], ps.get_data_parallel_world_size())[
         ps.get_data_parallel_rank()]
     packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens,
-                            advantages=[advantages[i] for i in share],
-                            pad_multiple=_pad_multiple(model[0].config), pad_to_common=ctx.layout.pp > 1)
+                            advantages=[advantages[i] for i in share], pad_multiple=_pad_multiple(model[0].config),
+                            pad_to_common=ctx.layout.pp > 1, cp=cp_size_rank())
     # once per minibatch: every pass over it (logprobs, loss) then reads tensors on the model's device
     device = model_device(model)
     packed.micro_batches = [mb.to(device) for mb in packed.micro_batches]

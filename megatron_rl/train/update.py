@@ -80,13 +80,14 @@ def _sequence_k1(p: PreparedMinibatch, device: torch.device) -> torch.Tensor:
 
 
 def _share_with_all_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Sum over DP ranks (each holds its share), then broadcast from the last pipeline stage. `t` lives
+    """Sum over DP x CP ranks (each holds its share), then broadcast from the last pipeline stage. `t` lives
     on the model's device, which is the one the trainer's process group carries (see train.device)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         return t
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    # DP x CP: CP ranks hold disjoint tokens of the same sequences, their partial sums add up
+    dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())

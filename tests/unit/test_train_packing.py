@@ -157,3 +157,41 @@ def test_every_token_lands_once_in_order():
     assert sorted(seen) == list(range(12))
     with pytest.raises(ValueError, match="advantages"):
         pack_sequences(seqs, capacity=20, advantages=[0.0])
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_slices_cover_each_segment_in_balanced_chunks(cp):
+    """Every segment padded to a multiple of 2*CP; rank r keeps chunks r and 2*CP-1-r of each segment
+    (Megatron's load balancing), so the ranks' slices put together are the whole row, each token once."""
+    seqs = [_seq(2, 5, start=1), _seq(1, 1, start=40), _seq(3, 8, start=60)]  # 7, 2 (< 2*CP) and 11 tokens
+    whole = pack_sequences(seqs, capacity=64, pad_multiple=2, cp=(cp, 0)).micro_batches[0]
+    assert whole.cp == (cp, 0)
+    cu = whole.cu_seqlens.tolist()
+    lengths = [e - a for a, e in zip(cu, cu[1:])]
+    assert all(n % (2 * cp) == 0 for n in lengths) and cu[-1] % (2 * cp * 2) == 0
+    assert lengths[:3] == [-(-n // (2 * cp)) * 2 * cp for n in (7, 2, 11)]
+    # the whole row built by hand: each sequence, its pad tokens (id 0, no loss), then the bin's padding
+    tokens, mask = [], []
+    for s, n in zip(seqs, lengths):
+        k = len(s.token_ids)
+        tokens += s.token_ids + [0] * (n - k)
+        mask += [0.0] * (s.prompt_len - 1) + [1.0] * s.completion_len + [0.0] * (n - k + 1)
+    tokens += [0] * (cu[-1] - len(tokens))
+    mask += [0.0] * (cu[-1] - len(mask))
+    full = {"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(mask)}
+    parts = [pack_sequences(seqs, capacity=64, pad_multiple=2, cp=(cp, r)).micro_batches[0] for r in range(cp)]
+    seen = torch.zeros(cu[-1], dtype=torch.long)
+    for r, part in enumerate(parts):
+        assert part.length * cp == cu[-1] and part.cu_seqlens.tolist() == cu
+        expect = []
+        for a, n in zip(cu, lengths):
+            c = n // (2 * cp)
+            expect += list(range(a + r * c, a + (r + 1) * c)) + list(range(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c))
+        seen[expect] += 1
+        for name in ("tokens", "loss_mask"):
+            assert torch.equal(getattr(part, name)[0], full[name][expect]), name
+    assert bool((seen == 1).all())
+    # the real tokens and their loss positions are those of the unpadded packing
+    assert sum(int(p.loss_mask.sum()) for p in parts) == sum(s.completion_len for s in seqs)
+    with pytest.raises(ValueError, match="no \\[T, T\\] mask"):
+        parts[0].attention_mask()

@@ -1,0 +1,160 @@
+"""Context parallel at CP=2 (2 gloo processes) equals CP=1 (DP=2 on the same 2 processes): per-sequence
+logits and trainer logprobs (collect_logprobs), the RL step's loss and metrics, every gradient, the
+gradient norm and the weights after the optimizer step, on packed bins holding several sequences of
+uneven lengths, one of them (3 tokens) shorter than the 2*CP = 4 chunks it is cut into.
+
+CP=1 at DP=2 is the reference: the DP=2 step is itself checked against HF autograd in
+tests/multiproc/test_train_step_parallel.py. Under CP each rank holds its load-balanced chunks of every
+sequence; the logits are put back in row order here with `packing.cp_token_index`, independently of
+the attention's own bookkeeping. Tolerance: the harness's (rtol 1e-4, atol 1e-6): CP sums gradients
+over ranks in another order and attends with an explicit mask over gathered keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+# no distributed optimizer: every rank then holds the whole all-reduced gradient
+CASES = {"dp2": {"data_parallel": 2}, "cp2": {"context_parallel": 2}}
+MICRO_BATCH_TOKENS = 32
+
+
+def _config(model_dir: str, **keys):
+    from megatron_rl.config import config_from_dict
+
+    return config_from_dict({
+        "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": MICRO_BATCH_TOKENS,
+                    "lr": 1e-2, "grad_clip": 1e6, "distributed_optimizer": False, **keys},
+        "algo": {"eps_low": 0.2, "eps_high": 0.28}})
+
+
+def _row(local: torch.Tensor, mb) -> torch.Tensor:
+    """A micro-batch's per-token tensor ([T_local, ...], this rank's chunks) in row order [T, ...]."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.train.packing import cp_token_index
+
+    if mb.cp is None:
+        return local
+    cp, group = mb.cp[0], ps.get_context_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    full = local.new_empty((int(mb.cu_seqlens[-1]),) + tuple(local.shape[1:]))
+    for r, part in enumerate(parts):
+        full[cp_token_index(mb.cu_seqlens, cp, r)] = part
+    return full
+
+
+def _per_sequence(prepared, rows: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """{index in the minibatch: the sequence's slice of its bin's row}, merged over DP ranks."""
+    import torch.distributed as dist
+
+    mine = {}
+    for mb, row in zip(prepared.packed.micro_batches, rows):
+        cu = mb.cu_seqlens.tolist()
+        for j, local in enumerate(mb.seq_indices):
+            i = prepared.share[local]
+            mine[i] = row[cu[j]:cu[j] + len(prepared.seqs[i].token_ids)].clone()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def worker(root: Path) -> None:
+    import torch.distributed as dist
+
+    from megatron_rl.records import TrainSequence
+    from megatron_rl.train.parallel import destroy_parallel
+    from megatron_rl.train.step import _forward, collect_logprobs, forward_backward, prepare_minibatch
+    from megatron_rl.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    spec = json.loads((root / "spec.json").read_text())
+    seqs = [TrainSequence(**d) for d in spec["seqs"]]
+    for name, keys in CASES.items():
+        trainer = Trainer(_config(spec["model_dir"], **keys))
+        chunk = trainer.model_chunks[0]
+        prepared = prepare_minibatch(trainer.model, seqs, trainer.ctx)
+        mbs = prepared.packed.micro_batches
+        with torch.no_grad():
+            logits = _per_sequence(prepared, [_row(_forward(chunk, mb, trainer.ctx.use_thd)[0], mb) for mb in mbs])
+        collect_logprobs(trainer.model, prepared, trainer.ctx, "proximal_logprobs")
+        logprobs = _per_sequence(prepared, [_row(mb.proximal_logprobs[0], mb) for mb in mbs])
+        bins = [dict(local=mb.length, cu=mb.cu_seqlens.tolist(), n_seqs=len(mb.seq_indices)) for mb in mbs]
+        trainer.optimizer.zero_grad()
+        out = forward_backward(trainer.model, prepared, trainer.ctx)
+        grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
+        ok, grad_norm, _ = trainer.optimizer.step()
+        weights = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+        torch.save({"metrics": out.metrics, "grads": grads, "grad_norm": float(grad_norm), "ok": ok,
+                    "weights": weights, "bins": bins, "logits": logits, "logprobs": logprobs,
+                    "cp": chunk.config.context_parallel_size},
+                   root / f"{name}.rank{dist.get_rank()}.pt")
+        destroy_parallel()
+    print("WORKER OK", flush=True)
+
+
+# ---------------------------------------------------------------- the test (pytest side)
+
+def _minibatch(model_dir):
+    from megatron_rl.records import TrainSequence
+    from unit.test_train_step import hf_completion_logprobs, hf_model, make_minibatch
+
+    model = hf_model(model_dir)
+    seqs = make_minibatch(model, n=7, seed=1)
+    short = TrainSequence([5, 9, 14], 2, [0.0], advantage=0.7)  # 3 tokens: under 2*CP chunks
+    with torch.no_grad():
+        short.behaviour_logprobs = (hf_completion_logprobs(model, short) - 0.1).tolist()
+    return seqs[:3] + [short] + seqs[3:]
+
+
+def test_context_parallel_equals_cp1(tiny_llama_dir, tmp_path):
+    import pytest
+
+    from support.torchrun import run_two_ranks
+
+    seqs = _minibatch(tiny_llama_dir)
+    (tmp_path / "spec.json").write_text(json.dumps(
+        {"model_dir": str(tiny_llama_dir), "seqs": [dataclasses.asdict(s) for s in seqs]}))
+    run_two_ranks(__file__, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+
+    got = {name: [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+           for name in CASES}
+    base = got["dp2"][0]
+    assert base["cp"] == 1 and all(r["cp"] == 2 for r in got["cp2"])
+    # CP: every segment a multiple of 2*CP, each rank holding half of each bin; bins of several sequences
+    for r in got["cp2"]:
+        assert any(b["n_seqs"] >= 3 for b in r["bins"])
+        for b in r["bins"]:
+            assert all((e - a) % 4 == 0 for a, e in zip(b["cu"], b["cu"][1:])) and b["local"] * 2 == b["cu"][-1]
+    assert sorted(base["logits"]) == list(range(len(seqs)))
+    for name in CASES:
+        for r in got[name]:
+            assert r["ok"]
+            for i, s in enumerate(seqs):
+                torch.testing.assert_close(r["logits"][i], base["logits"][i], rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{name} logits of sequence {i}: {m}")
+                n = len(s.token_ids)
+                torch.testing.assert_close(r["logprobs"][i][s.prompt_len - 1:n - 1],
+                                           base["logprobs"][i][s.prompt_len - 1:n - 1], rtol=1e-4, atol=1e-5)
+            for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
+                        "entropy", "logprob_mean", "n_loss_tokens", "tokens", "n_sequences"):
+                assert r["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-5), (name, key)
+            assert r["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-4), name
+            for param, g in r["grads"].items():
+                torch.testing.assert_close(g, base["grads"][param], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{name} grad {param}: {m}")
+                # Adam's first step is lr * g / (|g| + eps): near-zero gradients turn rounding into up to
+                # ~1e-3 of the learning rate (1e-2) on single elements
+                torch.testing.assert_close(r["weights"][param], base["weights"][param], rtol=1e-4, atol=1e-5)
+    # the attention weights' gradients reach across chunks (K/V of one rank, queries of the other)
+    assert float(base["grads"]["decoder.layers.0.self_attention.linear_qkv.weight"].abs().max()) > 1e-6
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

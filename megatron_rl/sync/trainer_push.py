@@ -18,7 +18,9 @@ class TrainerPush:
         from megatron.core import parallel_state as ps
 
         self.model_chunks, self.bucket_mb, self.node_addr = model_chunks, bucket_mb, node_addr
-        self.is_sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        # one sender per PP stage: CP ranks hold the same weights, like DP ranks
+        self.is_sender = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+                          and ps.get_context_parallel_rank() == 0)
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.sender: WeightSender | None = None
 

@@ -109,7 +109,9 @@ REFERENCE_PREFIX = "reference."  # sharded keys of the KL reference policy
 
 
 def _layout_now(layout) -> dict[str, Any]:
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "vpp": layout.vpp}
+    # cp only when used: checkpoints written before context parallel compare equal at cp = 1
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "vpp": layout.vpp,
+            **({"cp": layout.cp} if layout.cp > 1 else {})}
 
 
 def _model_key(i: int, n: int) -> str:
@@ -194,8 +196,8 @@ def _sharded_state(model: list, optimizer, layout, *, is_loading: bool, with_opt
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format})
     if with_rng:
         coords = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                  ps.get_data_parallel_rank())
-        shape = (layout.pp, layout.tp, layout.dp)
+                  ps.get_data_parallel_rank(with_context_parallel=True))  # one RNG state per CP rank too
+        shape = (layout.pp, layout.tp, layout.dp * layout.cp)
         state["rng_state"] = ShardedObject("rng_state", rng_state() if not is_loading else None,
                                            shape, coords, replica_id=0)
     for i, chunk in enumerate(reference or []):  # the KL reference policy, under its own key prefix

@@ -91,9 +91,19 @@ def worker(root: Path) -> None:
         grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
         ok, grad_norm, _ = trainer.optimizer.step()
         weights = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+        reload = None
+        if chunk.config.context_parallel_size > 1:  # a checkpoint of the CP layout loads back whole
+            path = trainer.save(root / "ckpt")
+            with torch.no_grad():
+                for p in chunk.parameters():
+                    p.zero_()
+            trainer.load(path)
+            reload = {"weights_back": all(torch.equal(p, weights[n]) for n, p in chunk.named_parameters()),
+                      "rng_restored": trainer.last_load.rng_restored,
+                      "optimizer_loaded": trainer.last_load.optimizer_loaded}
         torch.save({"metrics": out.metrics, "grads": grads, "grad_norm": float(grad_norm), "ok": ok,
                     "weights": weights, "bins": bins, "logits": logits, "logprobs": logprobs,
-                    "cp": chunk.config.context_parallel_size},
+                    "cp": chunk.config.context_parallel_size, "reload": reload},
                    root / f"{name}.rank{dist.get_rank()}.pt")
         destroy_parallel()
     print("WORKER OK", flush=True)
@@ -133,6 +143,8 @@ def test_context_parallel_equals_cp1(tiny_llama_dir, tmp_path):
         for b in r["bins"]:
             assert all((e - a) % 4 == 0 for a, e in zip(b["cu"], b["cu"][1:])) and b["local"] * 2 == b["cu"][-1]
     assert sorted(base["logits"]) == list(range(len(seqs)))
+    for r in got["cp2"]:
+        assert r["reload"] == {"weights_back": True, "rng_restored": True, "optimizer_loaded": True}
     for name in CASES:
         for r in got[name]:
             assert r["ok"]

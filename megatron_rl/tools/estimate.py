@@ -9,8 +9,10 @@ the dominant terms; the formulas are written out below and in docs/tools.md.
 Trainer GPU (heaviest pipeline stage; TP shards every matrix, PP splits layers, DP replicates):
 - weights: bytes(precision) x P_stage / TP
 - gradients: 4 B x P_stage / TP (Megatron DDP buffer, grad_reduce_in_fp32 as in train/optimizer.py)
-- optimizer: Adam m and v (4 + 4 B) plus fp32 main weights for bf16 (4 B), divided by DP under the
-  DistributedOptimizer (ZeRO-1), else not
+- optimizer: Adam m and v (4 + 4 B) plus fp32 main weights for bf16 (4 B), divided by DP x CP under
+  the DistributedOptimizer (ZeRO-1), else not
+- context parallel (CP): activations and logits of `micro_batch_tokens / CP` tokens per GPU (each CP
+  rank holds its 2 of the 2*CP chunks of every sequence)
 - activations: `activation_memory` below (Korthikanti et al. 2022 adapted to GQA, SwiGLU, RMSNorm,
   no dropout and flash attention; sequence parallel and recompute counted), for bins of
   `trainer.micro_batch_tokens` tokens x the micro-batches the 1F1B schedule keeps in flight (up to PP
@@ -198,7 +200,7 @@ class Estimate:
 
 def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     t, r, g = cfg.trainer, cfg.rollout, cfg.generator
-    tp, pp, dp = t.tensor_parallel, t.pipeline_parallel, t.data_parallel
+    tp, pp, dp, cp = t.tensor_parallel, t.pipeline_parallel, t.data_parallel, t.context_parallel
     if shapes.layers % pp:
         raise ValueError(f"{shapes.layers} layers do not split over pipeline_parallel={pp}")
     stage_layers = shapes.layers // pp
@@ -208,11 +210,11 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     wbytes = 2 if t.precision == "bf16" else 4
     opt_bytes = 8 + (4 if t.precision == "bf16" else 0)
     tr = {"weights": wbytes * p_stage / tp / GB, "gradients": 4 * p_stage / tp / GB,
-          "optimizer": opt_bytes * p_stage / tp / (dp if t.distributed_optimizer else 1) / GB}
+          "optimizer": opt_bytes * p_stage / tp / (dp * cp if t.distributed_optimizer else 1) / GB}
     hd = shapes.head_dim
     micro_batches = max(1, r.n_batch // r.n_mini // dp)  # sequences per DP rank per step >= bins
     in_flight = min(pp, micro_batches)
-    tokens = t.micro_batch_tokens
+    tokens = t.micro_batch_tokens // cp  # context parallel: each CP rank holds 1/CP of every bin
     act = activation_memory(shapes, tokens, tp=tp, sequence_parallel=t.sequence_parallel,
                             recompute=t.recompute, recompute_method=t.recompute_method,
                             recompute_num_layers=t.recompute_num_layers, stage_layers=stage_layers,
@@ -236,7 +238,7 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     step_bytes = 2 * shapes.total / gtp + live * seq_len * kv_token
     step_s = step_bytes / (cluster.hbm_tbps * 1e12 * cluster.decode_efficiency)
     gen_tok_s = g.num_generators * live / step_s
-    trainer_gpus = tp * pp * dp
+    trainer_gpus = tp * cp * pp * dp
     train_tok_s = trainer_gpus * cluster.gpu_tflops * 1e12 * cluster.mfu / (6 * shapes.total)
     batch_tokens = r.n_batch * seq_len
     gen_s = r.n_batch * cluster.mean_completion_fraction * r.max_new_tokens / gen_tok_s
@@ -256,7 +258,7 @@ def shapes_of(cfg: Config) -> Shapes:
 def render(e: Estimate, cfg: Config) -> str:
     t, g = cfg.trainer, cfg.generator
     lines = [f"model: {e.params / 1e9:.2f} B parameters",
-             f"trainer: {e.trainer_gpus} GPUs (TP={t.tensor_parallel} PP={t.pipeline_parallel} "
+             f"trainer: {e.trainer_gpus} GPUs (TP={t.tensor_parallel} CP={t.context_parallel} PP={t.pipeline_parallel} "
              f"DP={t.data_parallel}, sequence_parallel={t.sequence_parallel}, recompute={t.recompute}, "
              f"{t.precision}, distributed_optimizer={t.distributed_optimizer})",
              "  per GPU: " + ", ".join(f"{k} {v:.1f} GB" for k, v in e.trainer_gb.items()),

@@ -4,11 +4,15 @@
 stdin/stdout code tasks through `reward.VerifierPool` (correct = the reward's `correct`, so the
 format gate applies exactly as in training), HumanEval tasks through `data.humaneval.grade` (its
 own harness; threads, each test already runs in its own sandboxed process).
-`summarize(rows, ks)` computes per problem n samples, c correct, and
-- pass@1 = mean over problems of c / n (the mean over the k samples),
+`summarize(rows, ks)` computes per problem n graded samples, c correct, and
+- pass@1 = mean over problems of c / n (the mean over the samples),
 - pass@k = mean over problems of 1 - C(n - c, k) / C(n, k) (the unbiased estimator of Chen et
-  al. 2021; needs n >= k),
-overall and per language (`Problem.language`, else `reward.language.detect` of the prompt).
+  al. 2021; over the problems with n >= k),
+overall, per task kind (`task["kind"]`) and per language (`Problem.language`, else
+`reward.language.detect` of the prompt). A sample whose grading failed (no verdict: timeout, crash,
+error, sandbox_unavailable) is no wrong answer: it is left out of n and counted in `ungradable`.
+The evaluation during training (control/evaluation.py) aggregates with the same `problem_result`
+and `summarize`.
 """
 from __future__ import annotations
 
@@ -35,20 +39,33 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One sample's grading: `gradable` False when no verdict exists (the rest is then meaningless)."""
+
+    correct: bool
+    format_ok: bool
+    reward: float | None  # None for HumanEval (graded by its harness, not the reward)
+    status: str
+    gradable: bool = True
+
+
 @dataclass
 class ProblemResult:
     problem_id: str
     language: str
-    n: int
+    n: int  # graded samples (a verdict each)
     correct: int
     format_ok: int
     mean_reward: float | None  # None for HumanEval (graded by its harness, not the reward)
     source: str = ""
     statuses: dict[str, int] = field(default_factory=dict)
+    kind: str = ""
+    ungradable: int = 0  # samples whose grading failed: in no count above
 
     @property
-    def pass_rate(self) -> float:
-        return self.correct / self.n
+    def pass_rate(self) -> float | None:
+        return self.correct / self.n if self.n else None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -64,9 +81,23 @@ def problem_language(p: Problem) -> str:
     return detect(p.prompt)[0]
 
 
+def problem_result(p: Problem, verdicts: list[Verdict], language: str | None = None) -> ProblemResult:
+    """A problem's counts over its samples' verdicts; ungradable samples are only counted as such."""
+    graded = [v for v in verdicts if v.gradable]
+    statuses: dict[str, int] = defaultdict(int)
+    for v in verdicts:
+        statuses[v.status] += 1
+    rewards = [v.reward for v in graded if v.reward is not None]
+    return ProblemResult(p.problem_id, language or problem_language(p), len(graded), sum(v.correct for v in graded),
+                         sum(v.format_ok for v in graded), sum(rewards) / len(rewards) if rewards else None,
+                         str(p.task.get("source", "")), dict(statuses), str(p.task.get("kind", "")),
+                         len(verdicts) - len(graded))
+
+
 def grade_samples(problems: list[Problem], samples: dict[str, list[Completion]],
                   reward: RewardConfig | None = None, workers: int = 2) -> list[ProblemResult]:
     from megatron_rl.data.humaneval import grade as grade_humaneval, is_humaneval
+    from megatron_rl.reward.code import SANDBOX_UNAVAILABLE
     from megatron_rl.reward.pool import VerifierPool
 
     reward = reward or RewardConfig()
@@ -74,52 +105,57 @@ def grade_samples(problems: list[Problem], samples: dict[str, list[Completion]],
     for p in problems:
         for j, c in enumerate(samples[p.problem_id]):
             (he_items if is_humaneval(p.task) else pool_items).append((p, j, c))
-    verdicts: dict[tuple[str, int], tuple[bool, bool, float | None, str]] = {}
+    verdicts: dict[tuple[str, int], Verdict] = {}
     if pool_items:
         with VerifierPool(reward, workers=workers) as pool:
             results = pool.map([(p.task, c.response, c.num_tokens) for p, _, c in pool_items])
         for (p, j, _), r in zip(pool_items, results):
+            if r.grading_failed:
+                verdicts[(p.problem_id, j)] = Verdict(False, False, None, str(r.status), gradable=False)
+                continue
             status = r.details.get("code_status", r.status) if r.format_ok else "format"
-            verdicts[(p.problem_id, j)] = (bool(r.correct), bool(r.format_ok), float(r.total), str(status))
+            verdicts[(p.problem_id, j)] = Verdict(bool(r.correct), bool(r.format_ok), float(r.total), str(status))
     if he_items:
         with ThreadPoolExecutor(max(1, workers)) as ex:
             results = list(ex.map(lambda it: grade_humaneval(it[0].task, it[2].response,
                                                               reward.code_test_timeout_s * 2.5), he_items))
         for (p, j, _), r in zip(he_items, results):
-            verdicts[(p.problem_id, j)] = (r.passed, r.status != "no_code", None, r.status)
-    out = []
-    for p in problems:
-        vs = [verdicts[(p.problem_id, j)] for j in range(len(samples[p.problem_id]))]
-        statuses: dict[str, int] = defaultdict(int)
-        for v in vs:
-            statuses[v[3]] += 1
-        rewards = [v[2] for v in vs if v[2] is not None]
-        out.append(ProblemResult(p.problem_id, problem_language(p), len(vs), sum(v[0] for v in vs),
-                                 sum(v[1] for v in vs), sum(rewards) / len(rewards) if rewards else None,
-                                 str(p.task.get("source", "")), dict(statuses)))
-    return out
+            verdicts[(p.problem_id, j)] = Verdict(r.passed, r.status != "no_code", None, r.status,
+                                                  gradable=r.status != SANDBOX_UNAVAILABLE)
+    return [problem_result(p, [verdicts[(p.problem_id, j)] for j in range(len(samples[p.problem_id]))])
+            for p in problems]
 
 
 def _metrics(rows: list[ProblemResult], ks: list[int]) -> dict[str, Any]:
-    m: dict[str, Any] = {"problems": len(rows), "samples": sum(r.n for r in rows)}
-    if not rows:
+    graded = [r for r in rows if r.n]
+    m: dict[str, Any] = {"problems": len(rows), "samples": sum(r.n for r in rows),
+                         "ungradable": sum(r.ungradable for r in rows)}
+    if not graded:
         return m
-    m["pass@1"] = sum(r.pass_rate for r in rows) / len(rows)
+    m["pass@1"] = sum(r.correct / r.n for r in graded) / len(graded)
     for k in ks:
-        if k > 1:
-            m[f"pass@{k}"] = sum(pass_at_k(r.n, r.correct, k) for r in rows) / len(rows)
-    m["format_rate"] = sum(r.format_ok for r in rows) / m["samples"]
-    rewards = [r.mean_reward for r in rows if r.mean_reward is not None]
+        enough = [r for r in graded if r.n >= k]  # ungradable samples may leave a problem short of k
+        if k > 1 and enough:
+            m[f"pass@{k}"] = sum(pass_at_k(r.n, r.correct, k) for r in enough) / len(enough)
+            if len(enough) < len(rows):
+                m[f"pass@{k}_problems"] = len(enough)
+    m["format_rate"] = sum(r.format_ok for r in graded) / m["samples"]
+    rewards = [r.mean_reward for r in graded if r.mean_reward is not None]
     if rewards:
         m["mean_reward"] = sum(rewards) / len(rewards)
     return m
 
 
-def summarize(rows: list[ProblemResult], ks: list[int]) -> dict[str, Any]:
-    """Overall metrics plus `by_language` (same metrics per language)."""
-    by_lang: dict[str, list[ProblemResult]] = defaultdict(list)
+def _grouped(rows: list[ProblemResult], ks: list[int], attr: str) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[ProblemResult]] = defaultdict(list)
     for r in rows:
-        by_lang[r.language].append(r)
+        groups[getattr(r, attr)].append(r)
+    return {name: _metrics(rs, ks) for name, rs in sorted(groups.items())}
+
+
+def summarize(rows: list[ProblemResult], ks: list[int]) -> dict[str, Any]:
+    """Overall metrics plus `by_kind` and `by_language` (the same metrics per task kind / language)."""
     out = _metrics(rows, ks)
-    out["by_language"] = {lang: _metrics(rs, ks) for lang, rs in sorted(by_lang.items())}
+    out["by_kind"] = _grouped(rows, ks, "kind")
+    out["by_language"] = _grouped(rows, ks, "language")
     return out

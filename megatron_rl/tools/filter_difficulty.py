@@ -24,10 +24,12 @@ class DifficultyReport:
     all_rows: list[dict[str, Any]] = field(default_factory=list)
     too_easy: int = 0
     too_hard: int = 0
+    ungradable: int = 0  # problems none of whose samples could be graded: neither kept nor dropped as hard
 
     def summary(self) -> dict[str, Any]:
-        return {"problems": len(self.all_rows), "kept": len(self.kept), "too_easy": self.too_easy,
-                "too_hard": self.too_hard}
+        out = {"problems": len(self.all_rows), "kept": len(self.kept), "too_easy": self.too_easy,
+               "too_hard": self.too_hard}
+        return out | ({"ungradable": self.ungradable} if self.ungradable else {})
 
 
 def problem_row(p: Problem) -> dict[str, Any]:
@@ -49,7 +51,9 @@ def difficulty_filter(problems: list[Problem], sampler: Sampler, k: int, min_pas
         row = problem_row(p)
         row.update(pass_rate=r.pass_rate, n_samples=r.n, n_correct=r.correct, stage=stage)
         report.all_rows.append(row)
-        if r.pass_rate < min_pass:
+        if r.pass_rate is None:
+            report.ungradable += 1
+        elif r.pass_rate < min_pass:
             report.too_hard += 1
         elif r.pass_rate > max_pass:
             report.too_easy += 1

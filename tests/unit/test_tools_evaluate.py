@@ -110,3 +110,47 @@ def test_file_sampler_rejects_bad_lines(tmp_path):
     bad.write_text('{"problem_id": "a"}\n')
     with pytest.raises(ValueError, match="s.jsonl:1"):
         FileSampler(bad)
+
+
+def _enumerated_pass_at_k(outcomes: list[bool], k: int) -> float:
+    subsets = list(itertools.combinations(outcomes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_summary_per_kind_and_language_matches_enumeration_and_leaves_ungradable_samples_out():
+    import random
+
+    from megatron_rl.tools.evaluate import Verdict, problem_result
+
+    rng = random.Random(3)
+    k, n = 3, 5
+    problems, verdicts = [], {}
+    for i in range(12):
+        kind, lang = ("math", "code")[i % 2], ("en", "fr", "de")[i % 3]
+        problems.append(Problem(f"p{i}", "q", {"kind": kind}, lang))
+        vs = [Verdict(rng.random() < 0.4, True, 1.0, "ok") for _ in range(n)]
+        for j in rng.sample(range(n), rng.choice([0, 0, 1, 3])):  # grading failed: a crash, not a wrong answer
+            vs[j] = Verdict(False, False, None, "crash", gradable=False)
+        verdicts[f"p{i}"] = vs
+    rows = [problem_result(p, verdicts[p.problem_id]) for p in problems]
+    summary = summarize(rows, [1, k])
+
+    def reference(selected):
+        outcomes = [[v.correct for v in verdicts[p.problem_id] if v.gradable] for p in selected]
+        graded = [o for o in outcomes if o]
+        enough = [o for o in graded if len(o) >= k]
+        return {"pass@1": sum(_enumerated_pass_at_k(o, 1) for o in graded) / len(graded),
+                f"pass@{k}": sum(_enumerated_pass_at_k(o, k) for o in enough) / len(enough),
+                "samples": sum(map(len, outcomes)),
+                "ungradable": sum(not v.gradable for p in selected for v in verdicts[p.problem_id])}
+
+    groups = {"": problems}
+    groups |= {f"kind/{kind}": [p for p in problems if p.task["kind"] == kind] for kind in ("math", "code")}
+    groups |= {f"lang/{lang}": [p for p in problems if p.language == lang] for lang in ("en", "fr", "de")}
+    for name, selected in groups.items():
+        got = summary if not name else summary["by_kind" if name.startswith("kind") else "by_language"][name.split("/")[1]]
+        want = reference(selected)
+        assert got["samples"] + got["ungradable"] == n * len(selected)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, abs=1e-12), (name, key)
+    assert summary["ungradable"] > 0 and any(r.n < k for r in rows)  # the case the fix is about is covered

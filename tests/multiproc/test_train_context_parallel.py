@@ -23,11 +23,11 @@ CASES = {"dp2": {"data_parallel": 2}, "cp2": {"context_parallel": 2}}
 MICRO_BATCH_TOKENS = 32
 
 
-def _config(model_dir: str, **keys):
+def _config(model_dir: str, precision: str = "fp32", **keys):
     from megatron_rl.config import config_from_dict
 
     return config_from_dict({
-        "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": MICRO_BATCH_TOKENS,
+        "trainer": {"model": model_dir, "precision": precision, "micro_batch_tokens": MICRO_BATCH_TOKENS,
                     "lr": 1e-2, "grad_clip": 1e6, "distributed_optimizer": False, **keys},
         "algo": {"eps_low": 0.2, "eps_high": 0.28}})
 
@@ -59,7 +59,7 @@ def _per_sequence(prepared, rows: list[torch.Tensor]) -> dict[int, torch.Tensor]
         cu = mb.cu_seqlens.tolist()
         for j, local in enumerate(mb.seq_indices):
             i = prepared.share[local]
-            mine[i] = row[cu[j]:cu[j] + len(prepared.seqs[i].token_ids)].clone()
+            mine[i] = row[cu[j]:cu[j] + len(prepared.seqs[i].token_ids)].float().cpu()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {k: v for d in every for k, v in d.items()}
@@ -77,7 +77,7 @@ def worker(root: Path) -> None:
     spec = json.loads((root / "spec.json").read_text())
     seqs = [TrainSequence(**d) for d in spec["seqs"]]
     for name, keys in CASES.items():
-        trainer = Trainer(_config(spec["model_dir"], **keys))
+        trainer = Trainer(_config(spec["model_dir"], spec.get("precision", "fp32"), **keys))
         chunk = trainer.model_chunks[0]
         prepared = prepare_minibatch(trainer.model, seqs, trainer.ctx)
         mbs = prepared.packed.micro_batches
@@ -88,9 +88,9 @@ def worker(root: Path) -> None:
         bins = [dict(local=mb.length, cu=mb.cu_seqlens.tolist(), n_seqs=len(mb.seq_indices)) for mb in mbs]
         trainer.optimizer.zero_grad()
         out = forward_backward(trainer.model, prepared, trainer.ctx)
-        grads = {n: p.main_grad.detach().clone() for n, p in chunk.named_parameters()}
+        grads = {n: p.main_grad.detach().float().cpu() for n, p in chunk.named_parameters()}
         ok, grad_norm, _ = trainer.optimizer.step()
-        weights = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+        weights = {n: p.detach().float().cpu() for n, p in chunk.named_parameters()}
         reload = None
         if chunk.config.context_parallel_size > 1:  # a checkpoint of the CP layout loads back whole
             path = trainer.save(root / "ckpt")
@@ -98,12 +98,14 @@ def worker(root: Path) -> None:
                 for p in chunk.parameters():
                     p.zero_()
             trainer.load(path)
-            reload = {"weights_back": all(torch.equal(p, weights[n]) for n, p in chunk.named_parameters()),
+            back = all(torch.equal(p.float().cpu(), weights[n]) for n, p in chunk.named_parameters())
+            reload = {"weights_back": back,
                       "rng_restored": trainer.last_load.rng_restored,
                       "optimizer_loaded": trainer.last_load.optimizer_loaded}
         torch.save({"metrics": out.metrics, "grads": grads, "grad_norm": float(grad_norm), "ok": ok,
                     "weights": weights, "bins": bins, "logits": logits, "logprobs": logprobs,
-                    "cp": chunk.config.context_parallel_size, "reload": reload},
+                    "cp": chunk.config.context_parallel_size, "reload": reload,
+                    "te": type(chunk.decoder.layers[0].self_attention.core_attention).__name__},
                    root / f"{name}.rank{dist.get_rank()}.pt")
         destroy_parallel()
     print("WORKER OK", flush=True)

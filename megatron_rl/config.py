@@ -103,6 +103,10 @@ class RewardConfig:
     verifier_item_timeout_s: float = 60.0
     verifier_ranks: int = 0  # MPI ranks dedicated to grading (0: a pool inside the controller rank)
     regrade_attempts: int = 1  # times a sample whose grading failed is graded again before its group is dropped
+    # A verifier rank that answers its oldest grading request not within this many seconds is hung: its items
+    # go to the other verifier ranks (none left: the run stops). null: derived per request from the pool's
+    # limits, 2 x verifier_item_timeout_s per round of verifier_workers items + 30 s (control/verifiers.py).
+    verifier_reply_timeout_s: float | None = None
 
     def validate(self, key: str) -> None:
         check(self.l_max is None or self.l_max > 0, f"{key}.l_max", "must be > 0 or null (= the generation cap)")
@@ -120,6 +124,8 @@ class RewardConfig:
         check(self.language_window_letters >= 10, f"{key}.language_window_letters",
                "must be >= 10 (shorter windows cannot be classified)")
         check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
+        check(self.verifier_reply_timeout_s is None or self.verifier_reply_timeout_s > 0,
+              f"{key}.verifier_reply_timeout_s", "must be > 0 or null (derived from verifier_item_timeout_s)")
 
 
 @dataclass

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import signal
 import sys
 import traceback
@@ -19,6 +21,8 @@ from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.node import NodeEnvError, assign_gpus, gather_nodes
 from megatron_rl.sync.group import bind_listener
+
+RANKS_DIR = "ranks"  # RUN_DIR/ranks/<rank>.pid: "PID ROLE HOST", one file per rank of the current start
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,10 +63,19 @@ def prepare_run(cfg: Config, layout: RankLayout) -> dict:
     resume = resume_root(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
+    shutil.rmtree(run_dir / RANKS_DIR, ignore_errors=True)  # the pid files of an earlier start
     model_dir = generator_model_dir(cfg.trainer.model, cfg.trainer.precision)
     ports = [cfg.generator.port_base + i for i in range(layout.generators)]
     return {"run_dir": str(run_dir), "model_dir": str(model_dir), "generator_ports": ports,
             "resume_root": str(resume) if resume else None}
+
+
+def write_pid_file(run_dir: Path, rank: int, role: str, host: str) -> None:
+    """RUN_DIR/ranks/<rank>.pid: which process on which node holds each rank (to find, watch or kill
+    one; mpiexec's and srun's messages name a dead rank's pid)."""
+    folder = run_dir / RANKS_DIR
+    folder.mkdir(exist_ok=True)
+    (folder / f"{rank}.pid").write_text(f"{os.getpid()} {role} {host}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir = Path(setup["run_dir"])
+    write_pid_file(run_dir, rank, role, nodes[rank].addr)
     if role == "controller":
         return _run_controller(comm, cfg, layout, run_dir, setup)
     mailbox = Mailbox(comm)
@@ -121,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:
     from megatron_rl.control.controller import Controller, RunFailed, stop_workers, write_summary
     from megatron_rl.control.mailbox import Mailbox
-    from megatron_rl.data import iter_problems
+    from megatron_rl.data import iter_problems, read_jsonl
     from megatron_rl.train.hf_source import resolve_model
 
     controller = None
@@ -129,7 +143,8 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
     try:
         problems = list(iter_problems(cfg.data))
         tokenizer = resolve_model(cfg.trainer.model).tokenizer()
-        controller = Controller(comm, cfg, layout, run_dir, problems, tokenizer)
+        eval_problems = read_jsonl(cfg.data.eval_path) if cfg.run.eval_every else None  # same loader, same checks
+        controller = Controller(comm, cfg, layout, run_dir, problems, tokenizer, eval_problems)
         controller.install_signal_handlers()
         controller.wait_for_generators(cfg.generator.startup_timeout_s + 60)
         if setup["resume_root"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -41,6 +42,10 @@ class JsonlWriter:
     def write(self, row: dict[str, Any]) -> None:
         self._f.write(json.dumps(_clean(row)) + "\n")
         self._f.flush()
+
+    def size(self) -> int:
+        """Bytes in the file (lines are flushed as written; O_APPEND writes follow a truncation)."""
+        return os.fstat(self._f.fileno()).st_size
 
     def close(self) -> None:
         self._f.close()

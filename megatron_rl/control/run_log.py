@@ -7,8 +7,10 @@ report until the line is written. See docs/control.md, "Metrics lines".
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_rl.config import RunConfig
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow
@@ -27,20 +29,43 @@ class RunLog:
         self.push: dict[str, Any] = {}
         self._last_row: dict[str, Any] = {}
 
+    def offsets(self) -> dict[str, int]:
+        """The size of each log now (every line is flushed as written): saved in a checkpoint, so a
+        resume cuts the logs back to it (`cut_back`)."""
+        return {"metrics": self.metrics.size(), "groups": self.events.size()}
+
+    def cut_back(self, offsets: dict[str, int]) -> None:
+        """On resume: drop what was written after the checkpoint (rows of updates it does not hold,
+        events of groups it holds as pending, a line cut by a kill), so nothing is logged twice."""
+        for name, writer in (("metrics", self.metrics), ("groups", self.events)):
+            size = writer.size()
+            if size > offsets[name]:
+                os.truncate(writer.path, offsets[name])
+            elif size < offsets[name]:
+                print(f"megatron-rl train: {writer.path} is shorter than at the checkpoint ({size} < "
+                      f"{offsets[name]} bytes); appending to it as it is", file=sys.stderr, flush=True)
+
     def group_done(self, event: dict[str, Any]) -> None:
         self.events.write(event)
 
-    def write_line(self, update: int, version: int, state: dict[str, Any]) -> bool:
+    def write_line(self, update: int, version: int, state: dict[str, Any],
+                   hold: Callable[[dict[str, Any]], bool] | None = None) -> bool:
         """The metrics line of the updates up to `update`, if one is due (run.log_every); `state` adds
-        the counters as they are now. True when a line was written."""
+        the counters as they are now. True when a line was written; not when `hold` keeps it (an
+        evaluation round adds its results, then `write_row`)."""
         row = self.window.line(self.run, update, version, self.train, self.batch, self.push)
         if row is None:
             return False
         row.update(state)
+        self.window = UpdateWindow()
+        if hold is not None and hold(row):
+            return False
+        self.write_row(row)
+        return True
+
+    def write_row(self, row: dict[str, Any]) -> None:
         self.metrics.write(row)
         self._last_row = row
-        self.window = UpdateWindow()
-        return True
 
     def show(self, progress: Progress, update: int) -> None:
         row = self._last_row

@@ -275,6 +275,8 @@ class DataConfig:
     system_prompt: str = "magistral"  # template name in megatron_rl.data.prompts
     # Curriculum: drop problems whose recent pass rate reached this (None = keep everything).
     drop_solved_above: float | None = None
+    # Held-out evaluation set (JSONL, read as source=jsonl reads its path), evaluated every run.eval_every updates.
+    eval_path: str | None = None
 
     def validate(self, key: str) -> None:
         check(self.source in ("reasoning_gym", "jsonl", "humaneval", "champ"), f"{key}.source",
@@ -299,11 +301,25 @@ class RunConfig:
     # require = continue from it, error without one (`megatron-rl train --resume`), auto = continue from
     # it when there is one, else start afresh (a job that may be requeued).
     resume: Literal["fresh", "auto", "require"] = "fresh"
+    # Evaluation on data.eval_path after every eval_every updates (0 = none), on the generators between
+    # updates; its eval/... results go on the metrics line of the evaluated update (docs/control.md).
+    eval_every: int = 0
+    eval_samples: int = 4  # samples per evaluation problem: pass@1 is their mean, pass@k has k = eval_samples
+    eval_temperature: float | None = None  # sampling temperature of the evaluation (null: rollout.temperature)
+    eval_max_problems: int | None = None  # evaluate the first this many problems of data.eval_path (null: all)
 
     def validate(self, key: str) -> None:
         check(self.updates >= 1, f"{key}.updates", "must be >= 1")
         check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0 (0 = only at the end)")
         check(self.log_every >= 1, f"{key}.log_every", "must be >= 1")
+        check(self.eval_every >= 0, f"{key}.eval_every", "must be >= 0 (0 = no evaluation)")
+        check(self.eval_every % self.log_every == 0, f"{key}.eval_every",
+              f"must be a multiple of run.log_every ({self.log_every}): results go on the evaluated update's line")
+        check(self.eval_samples >= 1, f"{key}.eval_samples", "must be >= 1")
+        check(self.eval_temperature is None or self.eval_temperature >= 0, f"{key}.eval_temperature",
+              "must be >= 0 (0 = greedy) or null")
+        check(self.eval_max_problems is None or self.eval_max_problems >= 1, f"{key}.eval_max_problems",
+              "must be >= 1 or null (all)")
 
 
 @dataclass
@@ -320,6 +336,8 @@ class Config:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
         check_length_penalty(self.rollout, self.reward)  # checks across sections
+        check(self.run.eval_every == 0 or bool(self.data.eval_path), "data.eval_path",
+              "required when run.eval_every > 0 (the evaluation set)")
         if self.rollout.stale_policy == "reweight":
             bounded = self.algo.tis_cap is not None or self.algo.is_correction == "token_mask"
             check(self.algo.proximal == "trainer" and bounded, "rollout.stale_policy",

@@ -33,11 +33,13 @@ REPLY_TIMEOUT_S = 3600.0  # a checkpoint save or load on the trainers
 
 
 class Controller:
-    def __init__(self, comm, cfg: Config, layout: RankLayout, run_dir: Path, problems: list[Problem], tokenizer):
+    def __init__(self, comm, cfg: Config, layout: RankLayout, run_dir: Path, problems: list[Problem], tokenizer,
+                 eval_problems: list[Problem] | None = None):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         self.mailbox = Mailbox(comm)
         self.log = RunLog(cfg.run, run_dir)
-        self.flow = RolloutFlow(cfg, self.mailbox, layout, problems, tokenizer, self.log, lambda: self.updates_done)
+        self.flow = RolloutFlow(cfg, self.mailbox, layout, problems, tokenizer, self.log, lambda: self.updates_done,
+                                eval_problems)
         self.cycle: UpdateCycle[int] = UpdateCycle()  # over generator ranks
         self.version = 0  # trainer policy version (= number of updates)
         self.updates_done = 0
@@ -56,17 +58,19 @@ class Controller:
         try:
             while True:
                 if not self.training and self.cycle.phase is Phase.IDLE:
-                    if self.updates_done >= total or self.stop_requested:
+                    if (self.updates_done >= total and not self.flow.evaluation.active) or self.stop_requested:
                         break
                     if self.push_needed:
                         self._begin_update()  # push (weights the generators lack: restart, resume)
-                    else:
+                    elif not self.flow.evaluation.active:  # an eval round is graded under one weight version
                         self._train()  # train on n_batch ready sequences, if there are
                 if not (self.stop_requested or self.updates_done >= total):
                     self.flow.fill()  # fill: n_async samples in flight
                 for source, message in self.mailbox.poll(timeout_s=0.005):
                     self._dispatch(source, message)  # collect: rollouts, grades, replies (train -> push)
                 self.flow.collect_grades()  # grade: the controller's own grading pool
+                if self.flow.evaluation.complete:
+                    self._finish_eval(progress)  # the evaluated update's line, its checkpoint when due
                 if self._update_finished:
                     self._after_update(progress)  # save: metrics line, checkpoint when due
         finally:
@@ -126,11 +130,28 @@ class Controller:
 
     def _after_update(self, progress: Progress) -> None:
         self._update_finished = False
-        if not self.log.train:
-            return  # a push of the same version (a restarted generator): nothing new to log or save
-        if self._write_metrics():
-            self.log.show(progress, self.updates_done)
-        self.log.train = {}
+        if self.log.train:  # else a push of the same version (a restarted generator, a resume): nothing to log
+            if self._write_metrics():
+                self.log.show(progress, self.updates_done)
+            self.log.train = {}
+            if not self.flow.evaluation.active:  # else the checkpoint follows the evaluated update's line
+                self._checkpoint_if_due()
+        if self.flow.evaluation.waiting_to_start and not self.push_needed:
+            self.flow.start_eval(self.version)  # every generator serves the evaluated weights
+
+    def _hold_for_eval(self, row: dict[str, Any]) -> bool:
+        """True when an eval round evaluates this update: its line waits for the results (evaluation.py)."""
+        if not self.log.train or not self.flow.evaluation.due(self.updates_done):
+            return False
+        self.flow.evaluation.hold(self.updates_done, row)
+        return True
+
+    def _finish_eval(self, progress: Progress) -> None:
+        self.log.write_row(self.flow.finish_eval())
+        self.log.show(progress, self.updates_done)
+        self._checkpoint_if_due()
+
+    def _checkpoint_if_due(self) -> None:
         every = self.cfg.run.checkpoint_every
         if every and self.updates_done % every == 0 and self.updates_done < self.cfg.run.updates:
             self.checkpoint()
@@ -148,7 +169,8 @@ class Controller:
                  "groups/dropped_stale": c.groups_dropped_stale, "groups/completed": c.groups_completed,
                  "groups/dropped_grading": c.groups_dropped_grading,
                  "in_flight": self.flow.budget.in_flight, "ready": len(self.flow.budget.ready)}
-        return self.log.write_line(self.updates_done, self.version, state | stage_metrics(self.flow.stage()))
+        return self.log.write_line(self.updates_done, self.version, state | stage_metrics(self.flow.stage()),
+                                   hold=self._hold_for_eval)
 
     # ================================================================== start, resume, stop
     def install_signal_handlers(self) -> None:

@@ -14,7 +14,15 @@ PANELS = (
     ("idle fraction", ("generator_idle_frac", "trainer_idle_frac")),
     # trainer vs generator logprobs (docs/train.md "Trainer/generator mismatch")
     ("logprob mismatch", ("mismatch/lag0/abs_mean", "mismatch/lag0/kl_k3", "mismatch/lag1/abs_mean")),
+    # held-out evaluation (run.eval_every): a key ending in "*" draws every key it starts (eval/pass@k)
+    ("eval (held-out)", ("eval/pass@*",)),
 )
+
+
+def _keys(pattern: str, rows: list[dict]) -> list[str]:
+    if not pattern.endswith("*"):
+        return [pattern]
+    return sorted({k for r in rows for k in r if k.startswith(pattern[:-1])}, key=lambda k: (len(k), k))
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -33,7 +41,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in axes.flat[len(PANELS):]:
         ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, PANELS):
-        for key in keys:
+        for key in [k for pattern in keys for k in _keys(pattern, rows)]:
             ys = [r.get(key) for r in rows]
             pts = [(a, b) for a, b in zip(x, ys) if b is not None]
             if pts:

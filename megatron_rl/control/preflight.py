@@ -16,13 +16,14 @@ _MAY_HOLD_CODE = ("jsonl", "humaneval")
 
 
 def code_languages(cfg: Config) -> list[str]:
-    """Languages of the code tasks of the configured problem set (empty: none). Raises DataError on a
-    problem set that cannot be loaded."""
-    if cfg.data.source not in _MAY_HOLD_CODE:
-        return []
-    from megatron_rl.data import iter_problems
+    """Languages of the code tasks of the configured problem set and evaluation set (empty: none).
+    Raises DataError on a problem set that cannot be loaded."""
+    from megatron_rl.data import iter_problems, read_jsonl
 
-    return sorted({p.task.get("language", "python") for p in iter_problems(cfg.data) if p.task.get("kind") == "code"})
+    problems = list(iter_problems(cfg.data)) if cfg.data.source in _MAY_HOLD_CODE else []
+    if cfg.run.eval_every:  # the evaluation set (data.eval_path) is graded by the same sandbox
+        problems += read_jsonl(cfg.data.eval_path)
+    return sorted({p.task.get("language", "python") for p in problems if p.task.get("kind") == "code"})
 
 
 def check_code_sandbox(cfg: Config) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from megatron_rl.config import Config, LengthStage
 from megatron_rl.control.budget import PendingGroup, RolloutBudget
+from megatron_rl.control.evaluation import Evaluation
 from megatron_rl.control.grading import GradingLedger, LocalGrader
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
@@ -31,7 +32,7 @@ from megatron_rl.records import Problem, SampleRequest
 
 class RolloutFlow:
     def __init__(self, cfg: Config, mailbox: Mailbox, layout: RankLayout, problems: list[Problem], tokenizer,
-                 log: RunLog, updates_done: Callable[[], int]):
+                 log: RunLog, updates_done: Callable[[], int], eval_problems: list[Problem] | None = None):
         self.mailbox, self.layout, self.log, self.tokenizer = mailbox, layout, log, tokenizer
         self.updates_done = updates_done  # the trainer updates so far: the length stage in force
         self.budget = RolloutBudget(cfg.rollout, cfg.algo)
@@ -45,6 +46,7 @@ class RolloutFlow:
         self.sample_stage: dict[Key, LengthStage] = {}  # the stage each sample was issued under
         self.prompt_ids: dict[str, list[int]] = {}  # group id -> prompt token ids
         self.ledger = GradingLedger(cfg.reward.regrade_attempts, cfg.rollout.n_async)  # samples being graded
+        self.evaluation = Evaluation(cfg, eval_problems or [])  # its samples never reach the budget
         self.grader = LocalGrader(cfg.reward) if layout.verifiers == 0 else None
         self.verifiers = VerifierRanks(layout.verifier_ranks, cfg.reward)
 
@@ -73,11 +75,27 @@ class RolloutFlow:
             self.prompt_ids[g.group_id] = render_prompt_ids(self.tokenizer, g.problem, self.template)
         self._issue([r for group_id, i in self.budget.outstanding_samples() for r in self._requests(group_id, [i])])
 
+    def start_eval(self, version: int) -> None:
+        """Issue the held evaluation round's samples (weights `version` on every generator)."""
+        for group_id, problem, k in self.evaluation.start(version):
+            self.prompt_ids[group_id] = render_prompt_ids(self.tokenizer, problem, self.template)
+            self._issue(self._requests(group_id, range(k)), self._eval_sampling())
+
+    def finish_eval(self) -> dict[str, Any]:
+        """The evaluated update's metrics line with the round's results."""
+        for group_id in self.evaluation.round.verdicts:  # type: ignore[union-attr]
+            self.prompt_ids.pop(group_id, None)
+        return self.evaluation.finish()
+
+    def _eval_sampling(self) -> dict[str, Any]:
+        return {"temperature": self.evaluation.temperature}
+
     def _requests(self, group_id: str, indices) -> list[SampleRequest]:
         return [SampleRequest(group_id, i, self.prompt_ids[group_id]) for i in indices]
 
-    def _issue(self, requests: list[SampleRequest]) -> None:
-        """Send samples to generators, keeping each group on one generator (shared prefix cache)."""
+    def _issue(self, requests: list[SampleRequest], sampling: dict[str, Any] | None = None) -> None:
+        """Send samples to generators, keeping each group on one generator (shared prefix cache);
+        `sampling` overrides the rollout's sampling (the evaluation's temperature)."""
         alive = self.alive_generators()
         if not alive:
             raise RunFailed("every generator is dead")
@@ -94,7 +112,7 @@ class RolloutFlow:
                 self.sample_stage[s.key] = stage
             per_rank.setdefault(rank, []).extend(group)
         for rank, samples in per_rank.items():
-            self.mailbox.send(rank, GenerateRequest(samples, {"max_new_tokens": stage.max_new_tokens}))
+            self.mailbox.send(rank, GenerateRequest(samples, {"max_new_tokens": stage.max_new_tokens} | (sampling or {})))
 
     def on_generator_lost(self, rank: int) -> bool:
         """A generator died: issue its samples to the live ones. False when none is left."""
@@ -105,7 +123,11 @@ class RolloutFlow:
             self.sample_stage.pop(key, None)
         if not self.alive_generators():
             return False
-        self._issue([r for g, i in lost if g in self.prompt_ids for r in self._requests(g, [i])])
+        again = [r for g, i in lost if g in self.prompt_ids for r in self._requests(g, [i])]
+        evals = [r for r in again if self.evaluation.owns(r.group_id)]
+        self._issue([r for r in again if not self.evaluation.owns(r.group_id)])
+        if evals:
+            self._issue(evals, self._eval_sampling())
         return True
 
     # ================================================================== collecting and grading
@@ -118,11 +140,14 @@ class RolloutFlow:
                 continue  # a duplicate of a sample already re-issued and answered
             stage = self.sample_stage.pop(r.key)
             self.gen_load[rank] = max(0, self.gen_load[rank] - 1)
+            # an evaluation sample (its own group id namespace) or a training group's
             group = self.budget.groups.get(r.group_id)
-            if group is None:
+            problem = self.evaluation.problem(r.group_id) if self.evaluation.owns(r.group_id) else \
+                group.problem if group is not None else None
+            if problem is None:
                 continue
             r.max_new_tokens, r.l_max, r.l_cache = stage.max_new_tokens, stage.l_max, stage.l_cache
-            items.append(self.ledger.add(r, GradeItem(r.key, group.problem.task,
+            items.append(self.ledger.add(r, GradeItem(r.key, problem.task,
                                                       self.template.assistant_prefix + r.text,
                                                       len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache)))
         if items:
@@ -172,6 +197,9 @@ class RolloutFlow:
         if again:
             self._submit_grades(again)
         for rollout, failed in settled:
+            if self.evaluation.owns(rollout.group_id):  # never the budget's, nor the window's rewards
+                self.evaluation.record(rollout, failed)
+                continue
             group = self.budget.groups.get(rollout.group_id)
             if failed:
                 fate = self.budget.add_failed(rollout.group_id, rollout.sample_index)
@@ -196,11 +224,13 @@ class RolloutFlow:
 
     # ================================================================== state
     def state_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget.state_dict(), "queue": self.queue.state_dict()}
+        return {"budget": self.budget.state_dict(), "queue": self.queue.state_dict(),
+                "evaluation": self.evaluation.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.budget.load_state_dict(state["budget"])
         self.queue.load_state_dict(state["queue"])
+        self.evaluation.load_state_dict(state.get("evaluation"))  # a round not finished: re-run
 
     def close(self) -> None:
         if self.grader is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_rl.config import RunConfig
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow
@@ -48,17 +48,24 @@ class RunLog:
     def group_done(self, event: dict[str, Any]) -> None:
         self.events.write(event)
 
-    def write_line(self, update: int, version: int, state: dict[str, Any]) -> bool:
+    def write_line(self, update: int, version: int, state: dict[str, Any],
+                   hold: Callable[[dict[str, Any]], bool] | None = None) -> bool:
         """The metrics line of the updates up to `update`, if one is due (run.log_every); `state` adds
-        the counters as they are now. True when a line was written."""
+        the counters as they are now. True when a line was written; not when `hold` keeps it (an
+        evaluation round adds its results, then `write_row`)."""
         row = self.window.line(self.run, update, version, self.train, self.batch, self.push)
         if row is None:
             return False
         row.update(state)
+        self.window = UpdateWindow()
+        if hold is not None and hold(row):
+            return False
+        self.write_row(row)
+        return True
+
+    def write_row(self, row: dict[str, Any]) -> None:
         self.metrics.write(row)
         self._last_row = row
-        self.window = UpdateWindow()
-        return True
 
     def show(self, progress: Progress, update: int) -> None:
         row = self._last_row

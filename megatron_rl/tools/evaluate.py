@@ -138,7 +138,7 @@ def _metrics(rows: list[ProblemResult], ks: list[int]) -> dict[str, Any]:
         if k > 1 and enough:
             m[f"pass@{k}"] = sum(pass_at_k(r.n, r.correct, k) for r in enough) / len(enough)
             if len(enough) < len(rows):
-                m[f"pass@{k}_problems"] = len(enough)
+                m[f"problems@{k}"] = len(enough)  # problems in pass@k
     m["format_rate"] = sum(r.format_ok for r in graded) / m["samples"]
     rewards = [r.mean_reward for r in graded if r.mean_reward is not None]
     if rewards:

@@ -4,7 +4,7 @@
 #   2. sft       cold start with the Megatron trainer (megatron-rl sft), then an HF export for SGLang
 #   3. rl        asynchronous GRPO (megatron-rl train): SGLang generator, Megatron trainer, verifier
 #                pool, MPI controller; in-flight weight updates after every trainer update
-#   4. plot      runs/cpu_demo/rl/curves.png and the reward before/after
+#   4. plot      runs/cpu_demo/rl/curves.png, the reward before/after and the held-out pass@1/pass@4
 # Steps already done are skipped (delete runs/cpu_demo to start over; RUN_DIR=... to use another).
 # Extra arguments are config overrides for the RL step, e.g. run.updates=10.
 set -euo pipefail
@@ -15,7 +15,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 stamp() { printf '\n=== %s  [%s]\n' "$1" "$(date +%H:%M:%S)"; }
 
 stamp "1/4 data"
-[[ -f "$RUN/data/sft.jsonl" ]] || python examples/cpu_demo_data.py "$RUN/data"
+[[ -f "$RUN/data/eval.jsonl" ]] || python examples/cpu_demo_data.py "$RUN/data"
 
 stamp "2/4 SFT cold start (Megatron trainer) + export to HF"
 if [[ ! -f "$RUN/sft-hf/config.json" ]]; then
@@ -26,8 +26,8 @@ fi
 
 stamp "3/4 asynchronous RL"
 # run.resume=auto: continue from the run's checkpoint when an earlier demo left one, else start afresh
-megatron-rl train "$CFG" "trainer.model=$RUN/sft-hf" "data.path=$RUN/data/problems.jsonl" "run.output_dir=$RUN/rl" \
-  run.resume=auto "$@"
+megatron-rl train "$CFG" "trainer.model=$RUN/sft-hf" "data.path=$RUN/data/problems.jsonl" \
+  "data.eval_path=$RUN/data/eval.jsonl" "run.output_dir=$RUN/rl" run.resume=auto "$@"
 
 stamp "4/4 results"
 megatron-rl plot "$RUN/rl"
@@ -40,4 +40,9 @@ def mean(rs, key):  # weighted by rollouts graded per update (a window may have 
     return sum(r.get(key, 0.0) * r.get("rollouts", 0) for r in rs) / n if n else float("nan")
 for key in ("reward/mean", "pass_rate", "reward/format_ok"):
     print(f"{key:18s} first {k} updates {mean(rows[:k], key):.3f} -> last {k} updates {mean(rows[-k:], key):.3f}")
+for r in rows:  # the held-out evaluation rounds (run.eval_every)
+    if "eval/pass@1" in r:
+        print(f"held-out after update {r['update']:3d}: pass@1 {r['eval/pass@1']:.3f}  "
+              f"pass@4 {r.get('eval/pass@4', float('nan')):.3f}  ({r['eval/problems']} problems, "
+              f"{r['eval/ungradable']} ungradable)")
 PY

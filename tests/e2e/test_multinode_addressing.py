@@ -11,7 +11,9 @@ the trainers' rendezvous crosses nodes):
 The test reads the sockets the processes actually hold (psutil) while the run is going: the SGLang
 server listens on node 3's address only; the trainers' rendezvous store and the weight-update
 group's store listen on the first trainer's (the sender's) node address and are reached there from
-node 3; no process of the run listens on a wildcard address. Then the run must complete its updates.
+node 3; no process of the run listens on a wildcard address. Then the run must complete its updates,
+each evaluated on a held-out set (run.eval_every: 1, a few problems x k samples): eval/... values
+in [0, 1] on every line, samples graded or ungradable = problems x k.
 """
 from __future__ import annotations
 
@@ -69,9 +71,15 @@ def _sockets(procs) -> list:
 
 
 def test_two_simulated_nodes_listen_on_their_own_addresses(tmp_path, policy, free_port):
+    from support.warm_start import addition_problems
+
     port = 35000 + free_port % 2000
-    config = _config(tmp_path, policy, port, trainer={"data_parallel": 2},
-                     rollout={"n_async": 16, "n_batch": 16}, run={"output_dir": str(tmp_path / "run"), "updates": 3})
+    eval_set = addition_problems(tmp_path / "eval.jsonl", 8, seed=7)  # another draw than the training set's
+    n_eval, k = 6, 4
+    config = _config(tmp_path, policy, port, trainer={"data_parallel": 2}, rollout={"n_async": 16, "n_batch": 16},
+                     data={"eval_path": str(eval_set)},
+                     run={"output_dir": str(tmp_path / "run"), "updates": 3, "eval_every": 1, "eval_samples": k,
+                          "eval_max_problems": n_eval})
     run_dir = tmp_path / "run"
     proc = _launch(config)
     deadline = time.time() + 400
@@ -108,3 +116,8 @@ def test_two_simulated_nodes_listen_on_their_own_addresses(tmp_path, policy, fre
     assert proc.returncode == 0, out[-5000:]
     rows = read_jsonl(run_dir / METRICS_FILE)
     assert [r["update"] for r in rows] == [1, 2, 3] and all(r["version"] == r["update"] for r in rows)
+    for r in rows:  # every update evaluated under its own weights, every sample accounted for
+        assert r["eval/version"] == r["update"] and r["eval/off_version"] == 0
+        assert r["eval/samples"] + r["eval/ungradable"] == n_eval * k and r["eval/problems"] == n_eval
+        assert all(0.0 <= r[key] <= 1.0 for key in ("eval/pass@1", f"eval/pass@{k}", "eval/math/pass@1"))
+        assert r["eval/pass@1"] <= r[f"eval/pass@{k}"]

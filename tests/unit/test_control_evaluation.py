@@ -182,3 +182,21 @@ def test_bad_evaluation_settings_name_their_key(overrides, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict({"data": {"source": "jsonl", "path": "p.jsonl"}}, overrides)
+
+
+def test_a_dead_generators_eval_samples_go_to_a_live_one_with_the_eval_sampling(tmp_path):
+    ctrl, comm = _controller(tmp_path)
+    ctrl.flow.fill()
+    _finish_update(ctrl, 1)
+    sent = comm.take(Tag.GENERATE)
+    dead = next(rank for rank, m in sent if any(is_eval_group(s.group_id) for s in m.samples))
+    lost = sorted(s.key for rank, m in sent if rank == dead for s in m.samples)
+    assert ctrl.flow.on_generator_lost(dead)
+    again = comm.take(Tag.GENERATE)
+    assert {rank for rank, _ in again} == {r for r in ctrl.layout.generator_ranks if r != dead}
+    assert sorted(s.key for _, m in again for s in m.samples) == lost
+    for _, m in again:
+        kinds = {is_eval_group(s.group_id) for s in m.samples}
+        assert len(kinds) == 1  # eval and training samples never share a request (their sampling differs)
+        assert (m.sampling.get("temperature") == 0.6) == kinds.pop()
+    ctrl.shutdown()

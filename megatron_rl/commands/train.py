@@ -66,4 +66,17 @@ def main(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(cmd, start_new_session=True)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda sig, frame: proc.send_signal(sig))
-    return proc.wait()
+    status = proc.wait()
+    if status != 0:
+        print(ended_message(Path(cfg.run.output_dir), args.config, status), file=sys.stderr, flush=True)
+    return status
+
+
+def ended_message(run_dir: Path, config: str, status: int) -> str:
+    """What to do after a job that ended badly: mpiexec ends every rank when one dies (kill -9, out of
+    memory, a node lost) and names its pid above; RUN_DIR/ranks/ says which rank and role had it."""
+    latest = run_dir / "checkpoints" / "latest"
+    where = (f"continue from its last checkpoint ({latest.read_text().strip()}) with: megatron-rl train {config} "
+             f"--resume" if latest.is_file() else "it wrote no checkpoint yet: start it again")
+    return (f"megatron-rl train: the job ended with status {status} (a rank failed or died: the messages above "
+            f"name it, {run_dir / 'ranks'} maps pids to ranks and roles); {where}")

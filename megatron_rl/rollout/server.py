@@ -71,12 +71,14 @@ class ServerSpec:
 
 
 def _terminate_with_parent() -> None:
-    """In the server child before exec: SIGTERM it if its owner dies (e.g. an MPI rank killed by
-    mpiexec), so no server outlives the job; SGLang's launcher then stops its own children."""
+    """In the server child before exec: SIGKILL it if its owner dies (e.g. an MPI rank killed by
+    mpiexec), so no server outlives the job. Not SIGTERM: SGLang's launcher catches it and, with its
+    scheduler busy, lived on (tests/e2e/test_hard_kill.py); its scheduler and detokenizer die with it
+    (SGLang sets their PR_SET_PDEATHSIG to SIGKILL), its resource tracker on the closed pipe."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _log_tail(path: Path, n: int = 3000) -> str:

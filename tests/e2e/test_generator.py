@@ -11,11 +11,9 @@ import itertools
 import pytest
 import torch
 
-from megatron_rl.config import GeneratorConfig, RolloutConfig
-from megatron_rl.rollout.generator import Generator
-from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.sender import WeightSender, WeightSyncError
 from megatron_rl.sync.update import push_in_process, target_of
+from support.runs import running_generator
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 11, 12]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -59,16 +57,8 @@ def named(model):
 
 @pytest.fixture(scope="module")
 def gen(tiny_llama_dir, tmp_path_factory):
-    from support.net import free_port
-
-    spec = ServerSpec(str(tiny_llama_dir), free_port(), max_total_tokens=8192, threads=1,
-                      log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
-    g = Generator(SGLangServer(spec), RolloutConfig(group_size=2, n_async=8, n_batch=2, n_mini=1),
-                  GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
-    g.start()
-    yield g
-    g.close()
-    assert not g.server.alive()
+    with running_generator(tiny_llama_dir, tmp_path_factory.mktemp("sglang"), threads=1) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config import GeneratorConfig, RolloutConfig
-from megatron_rl.rollout.generator import Generator
-from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.sender import WeightSender
 from megatron_rl.sync.update import push_in_process, target_of
 
+from support.runs import running_generator
 from test_generator import assert_matches_hf, hf_model, named, perturbed
 
 pytestmark = pytest.mark.e2e
@@ -18,16 +16,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def gen_tp2(tiny_llama_dir, tmp_path_factory):
-    from support.net import free_port
-
-    spec = ServerSpec(str(tiny_llama_dir), free_port(), max_total_tokens=4096, tp_size=2,
-                      log_path=str(tmp_path_factory.mktemp("sglang_tp2") / "server.log"))
-    g = Generator(SGLangServer(spec), RolloutConfig(group_size=2, n_async=8, n_batch=2, n_mini=1),
-                  GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
-    g.start()
-    yield g
-    g.close()
-    assert not g.server.alive()
+    with running_generator(tiny_llama_dir, tmp_path_factory.mktemp("sglang_tp2"), max_total_tokens=4096,
+                           tp_size=2) as g:
+        yield g
 
 
 def test_tp2_server_matches_hf_before_and_after_a_push(gen_tp2, tiny_llama_dir):

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import yaml
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.data import read_jsonl as read_problems
+from support.runs import launch_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -56,13 +56,6 @@ def _config(tmp_path: Path, policy, port_base: int) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _launch(config: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
 
 
 def _checkpointed_update(run_dir: Path) -> int:
@@ -185,9 +178,9 @@ def test_kill_9_of_a_rank_ends_the_job_and_resume_finishes_it_accounting_everyth
         roles, tmp_path, policy, free_port):
     config = _config(tmp_path, policy, 35000 + free_port % 2000)
     run_dir = tmp_path / "run"
-    saved = _kill_and_check_the_end(_launch(config), run_dir, roles[0], after=0)
-    saved = _kill_and_check_the_end(_launch(config, "--resume"), run_dir, roles[1], after=saved)
-    resumed = _launch(config, "--resume")
+    saved = _kill_and_check_the_end(launch_train(config), run_dir, roles[0], after=0)
+    saved = _kill_and_check_the_end(launch_train(config, "--resume"), run_dir, roles[1], after=saved)
+    resumed = launch_train(config, "--resume")
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-6000:]
     _assert_accounted_once(run_dir, policy[1])

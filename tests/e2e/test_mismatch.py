@@ -18,10 +18,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_rl.config import GeneratorConfig, RolloutConfig
 from megatron_rl.records import TrainSequence
-from megatron_rl.rollout.generator import Generator
-from megatron_rl.rollout.server import ServerSpec, SGLangServer
+from support.runs import running_generator
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 11, 12]]
 SAMPLING = {"temperature": 0.7, "max_new_tokens": 24, "ignore_eos": True}
@@ -31,15 +29,9 @@ PERTURBED_VERSION = 7
 
 @pytest.fixture(scope="module")
 def gen(tiny_llama_dir, tmp_path_factory):
-    from support.net import free_port
-
-    spec = ServerSpec(str(tiny_llama_dir), free_port(), max_total_tokens=4096, threads=1,
-                      log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
-    g = Generator(SGLangServer(spec), RolloutConfig(group_size=4, n_async=8, n_batch=4, n_mini=1),
-                  GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
-    g.start()
-    yield g
-    g.close()
+    with running_generator(tiny_llama_dir, tmp_path_factory.mktemp("sglang"), group_size=4, max_total_tokens=4096,
+                           threads=1) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import yaml
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.data import read_jsonl as read_problems
+from support.runs import launch_train
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -54,13 +54,6 @@ def _config(tmp_path: Path, policy, port_base: int, **sections) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _launch(config: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
 
 
 def _wait_for_updates(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float = 600) -> None:
@@ -120,7 +113,7 @@ def test_reward_rises_through_generator_and_verifier_crashes(tmp_path, policy, f
     port = 31000 + free_port % 2000
     config = _config(tmp_path, policy, port, run={"output_dir": str(tmp_path / "run"), "updates": 24})
     run_dir = tmp_path / "run"
-    proc = _launch(config)
+    proc = launch_train(config)
     _wait_for_updates(proc, run_dir, 6)
     server = _pids(lambda p: "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and
                    f"--port {port}" in " ".join(p.info["cmdline"] or []))
@@ -150,7 +143,7 @@ def test_sigterm_checkpoints_and_resume_loses_and_repeats_nothing(tmp_path, poli
     port = 33000 + free_port % 2000
     config = _config(tmp_path, policy, port, run={"output_dir": str(tmp_path / "run"), "updates": 8})
     run_dir = tmp_path / "run"
-    proc = _launch(config)
+    proc = launch_train(config)
     _wait_for_updates(proc, run_dir, 3)
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler would: every rank gets it
     out = _finish(proc)
@@ -159,10 +152,10 @@ def test_sigterm_checkpoints_and_resume_loses_and_repeats_nothing(tmp_path, poli
     stopped_at = summary["updates"]
     _assert_every_prompt_accounted_once(run_dir, policy[1])
 
-    again = _launch(config)  # without --resume the run directory is protected
+    again = launch_train(config)  # without --resume the run directory is protected
     out = _finish_failing(again)
     assert "--resume" in out
-    _finish(_launch(config, "--resume"))
+    _finish(launch_train(config, "--resume"))
     rows = read_jsonl(run_dir / METRICS_FILE)
     assert [r["update"] for r in rows] == list(range(1, 9))
     assert json.loads((run_dir / "summary.json").read_text())["updates"] == 8

@@ -1,0 +1,42 @@
+"""Real processes the end-to-end tests start: an SGLang generator on the tiny model, and
+`megatron-rl train` as a user would run it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from megatron_rl.config import GeneratorConfig, RolloutConfig
+from megatron_rl.rollout.generator import Generator
+from megatron_rl.rollout.server import ServerSpec, SGLangServer
+from support.net import free_port
+
+
+@contextmanager
+def running_generator(model_dir: Path, log_dir: Path, group_size: int = 2, max_total_tokens: int = 8192,
+                      **spec) -> Iterator[Generator]:
+    """A started Generator (its own SGLang server, prefix cache never reused across versions);
+    closed, with its server gone, on exit."""
+    server = ServerSpec(str(model_dir), free_port(), max_total_tokens=max_total_tokens,
+                        log_path=str(log_dir / "server.log"), **spec)
+    gen = Generator(SGLangServer(server), RolloutConfig(group_size=group_size, n_async=8, n_batch=group_size,
+                                                        n_mini=1),
+                    GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
+    gen.start()
+    try:
+        yield gen
+    finally:
+        gen.close()
+    assert not gen.server.alive()
+
+
+def launch_train(config: Path, *extra: str) -> subprocess.Popen:
+    """`megatron-rl train CONFIG ...` in its own session (a test can kill the whole job), one thread
+    per rank, output captured as text."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", str(config), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)

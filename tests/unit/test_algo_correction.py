@@ -16,20 +16,12 @@ import torch
 from megatron_rl.algo.correction import ISCorrection, is_correction
 from megatron_rl.algo.loss import clipped_token_loss, clipped_token_loss_with_stats
 from megatron_rl.config import ConfigError, config_from_dict
-from megatron_rl.ops import _backend, fused_clipped_loss
+from megatron_rl.ops import fused_clipped_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 CORRECTIONS = [ISCorrection("token_tis", cap=1.5), ISCorrection("token_tis"),
                ISCorrection("token_mask", low=0.6, high=1.7), ISCorrection("sequence_tis", cap=1.3),
                ISCorrection("sequence_tis")]
-
-
-@pytest.fixture(params=["ext", "torch"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", request.param)
-    if request.param == "ext" and not _backend.extension_available():
-        pytest.skip(f"csrc extension unavailable: {_backend.extension_error()}")
-    return request.param
 
 
 def make_rows(seed=0, B=2, T=14, V=53):

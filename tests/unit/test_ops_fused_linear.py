@@ -5,17 +5,9 @@ import pytest
 import torch
 
 from megatron_rl.algo.loss import clipped_token_loss
-from megatron_rl.ops import _backend, fused_linear_clipped_loss
+from megatron_rl.ops import fused_linear_clipped_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
-
-
-@pytest.fixture(params=["ext", "torch"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("MEGATRON_RL_OPS_BACKEND", request.param)
-    if request.param == "ext" and not _backend.extension_available():
-        pytest.skip(f"csrc extension unavailable: {_backend.extension_error()}")
-    return request.param
 
 
 def make_case(dtype, B=2, T=9, H=16, V=61, seed=0):

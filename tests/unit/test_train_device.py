@@ -52,9 +52,8 @@ def test_an_rl_update_keeps_every_tensor_on_the_model_device(tiny_llama_dir, mon
     """Proximal and reference passes, KL in the reward, the loss and the metric reductions: everything
     the loss sees and every collective the step and the update send lives on the model's device (the
     CPU here; tests/unit/test_train_step_cuda.py checks CUDA)."""
-    import torch.distributed as dist
-
     from megatron_rl.train import step
+    from support.collectives import spy_collectives
 
     trainer = make_trainer(tiny_llama_dir, algo={"kl_mode": "reward", "kl_coef": 0.1, "proximal": "trainer",
                                                  "tis_cap": 2.0})
@@ -74,18 +73,9 @@ def test_an_rl_update_keeps_every_tensor_on_the_model_device(tiny_llama_dir, mon
         seen["logprobs"][-1] += [loss.device, count.device, getattr(mb, field).device]
         return loss, count, stats
 
-    def spy(name):
-        real = getattr(dist, name)
-
-        def call(tensor, *args, **kwargs):
-            seen["collective"].append((name, tensor.device))
-            return real(tensor, *args, **kwargs)
-        return call
-
     monkeypatch.setattr(step, "_loss_func", spy_loss)
     monkeypatch.setattr(step, "_store_logprobs", spy_store)
-    for name in ("all_reduce", "broadcast"):  # step and update call them through torch.distributed
-        monkeypatch.setattr(dist, name, spy(name))
+    spy_collectives(monkeypatch, seen["collective"])
     g = torch.Generator().manual_seed(0)
     seqs = [TrainSequence(torch.randint(3, trainer.dims.vocab_size, (4 + i,), generator=g).tolist(), 2, [-1.0] * (2 + i),
                           advantage=float(i % 2), group_id=f"g{i % 2}") for i in range(4)]

@@ -71,6 +71,7 @@ def test_rl_step_on_cuda_matches_hf_reference_on_cuda(tiny_llama_dir, monkeypatc
     from megatron_rl.train.model import te_available
     from megatron_rl.train.parallel import destroy_parallel
     from megatron_rl.train.trainer import Trainer
+    from support.collectives import spy_collectives
 
     if precision == "fp32" and te_available():
         pytest.skip("fp32 under Transformer Engine: no TE attention backend takes float32 THD input")
@@ -93,19 +94,10 @@ def test_rl_step_on_cuda_matches_hf_reference_on_cuda(tiny_llama_dir, monkeypatc
         seen["out"].append([output.device, loss.device, count.device] + [t.device for t in stats.values()])
         return loss, count, stats
 
-    def spy(name):
-        real = getattr(dist, name)
-
-        def call(tensor, *args, **kwargs):
-            seen["collective"].append((name, tensor.device))
-            return real(tensor, *args, **kwargs)
-        return call
-
     monkeypatch.setattr(step, "_loss_func", spy_loss)
     trainer = Trainer(make_config(tiny_llama_dir, precision=precision))
     assert dist.get_backend() == "nccl" and model_device(trainer.model).type == "cuda"
-    for name in ("all_reduce", "broadcast"):
-        monkeypatch.setattr(dist, name, spy(name))
+    spy_collectives(monkeypatch, seen["collective"])
     trainer.optimizer.zero_grad()
     out = step.forward_backward(trainer.model, seqs, trainer.ctx)
     assert out.n_micro_batches >= 3 and len(seen["mb"]) == out.n_micro_batches

@@ -107,6 +107,8 @@ class RewardConfig:
     # go to the other verifier ranks (none left: the run stops). null: derived per request from the pool's
     # limits, 2 x verifier_item_timeout_s per round of verifier_workers items + 30 s (control/verifiers.py).
     verifier_reply_timeout_s: float | None = None
+    # Reward plug-in grading in place of the built-in reward: "module:function", "path/file.py:function" or an entry point name of group megatron_rl.rewards (docs/reward.md "Add a verifier"); null: built-in
+    custom: str | None = None
 
     def validate(self, key: str) -> None:
         check(self.l_max is None or self.l_max > 0, f"{key}.l_max", "must be > 0 or null (= the generation cap)")
@@ -126,6 +128,11 @@ class RewardConfig:
         check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
         check(self.verifier_reply_timeout_s is None or self.verifier_reply_timeout_s > 0,
               f"{key}.verifier_reply_timeout_s", "must be > 0 or null (derived from verifier_item_timeout_s)")
+        if self.custom is not None:  # load it now: a typo fails at config load, naming the key
+            from megatron_rl.reward.custom import plugin_error
+
+            why = plugin_error(self.custom)
+            check(why is None, f"{key}.custom", why or "")
 
 
 @dataclass

@@ -65,6 +65,13 @@ def _worker_main(conn, fn: GradeFn, config: RewardConfig) -> None:
         warm_up(config.math_backend)
     except Exception:
         pass
+    if config.custom:  # and the reward plug-in (its import errors show on each item as status "error")
+        try:
+            from megatron_rl.reward.custom import load_reward_fn
+
+            load_reward_fn(config.custom)
+        except Exception:
+            pass
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -123,7 +130,8 @@ def _normalise(item: Any, index: int, config: RewardConfig) -> tuple[Any, str, i
         raise TaskError(f"item {index}: {e}") from None
     if not isinstance(response, str):
         raise TaskError(f"item {index}: response must be a string, got {type(response).__name__}")
-    return parsed, response, num_tokens, window
+    # a dict goes as given: a reward.custom plug-in sees its id, source and meta too
+    return (task if isinstance(task, dict) else parsed), response, num_tokens, window
 
 
 class VerifierPool:
@@ -138,6 +146,10 @@ class VerifierPool:
         if self.n_workers < 1 or self.item_timeout_s <= 0 or max_retries < 0:
             raise ValueError("need workers >= 1, item_timeout_s > 0, max_retries >= 0")
         self.fn, self.max_retries = fn, max_retries
+        if self.config.custom:  # a plug-in that cannot load fails here, once, not on every item
+            from megatron_rl.reward.custom import load_reward_fn
+
+            load_reward_fn(self.config.custom)
         self._ctx = mp.get_context(start_method)
         self._workers: list[_Worker] = []
         self.restarts = 0

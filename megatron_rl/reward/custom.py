@@ -1,0 +1,155 @@
+"""Reward plug-ins: `reward.custom` names a function that grades a response in place of the built-in
+reward (as verl's `custom_reward_function` and slime's `--custom-rm-path` do). Three forms:
+
+- ``"my_pkg.rewards:exact_match"``: a module importable on every rank, and its function;
+- ``"path/to/rewards.py:exact_match"``: a Python file (relative paths from the working directory);
+- ``"exact_match"``: an entry point of the group ``megatron_rl.rewards`` of an installed package
+  (``[project.entry-points."megatron_rl.rewards"] exact_match = "my_pkg.rewards:exact_match"``).
+
+The function is called as ``fn(task, response, ctx) -> RewardBreakdown``:
+``task`` is the problem's task dict (``kind``, ``answer`` or ``tests``/``language``, ``problem``,
+``id``, ``source`` and ``meta``: the data loader puts a row's other columns there); ``response`` is
+the completion text (with the template's assistant prefix); ``ctx`` is a :class:`RewardContext`
+(the reward config, the response length in tokens and its overlong-penalty window, and
+``ctx.builtin()``: the built-in reward of this response, to add to or adjust rather than replace).
+The returned :class:`RewardBreakdown` is checked (types, finite numbers, a known status); anything
+else is an error naming ``reward.custom``. The plug-in runs where ``reward.score`` runs: in the
+verifier pool's worker processes, under ``reward.verifier_item_timeout_s`` and the same crash and
+hang handling as the built-in verifiers (a hung plug-in gets status "timeout", a raising one
+"error", a dying one is re-issued, then "crash"; none of them is trained on).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import math
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from megatron_rl.reward.types import RewardBreakdown, Status
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RewardConfig
+
+ENTRY_POINT_GROUP = "megatron_rl.rewards"
+_STATUSES = typing.get_args(Status)
+
+
+class RewardPluginError(ValueError):
+    """`reward.custom` cannot be loaded, or its function returned something that is no reward."""
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What a plug-in gets besides the task and the response."""
+
+    config: "RewardConfig"
+    num_tokens: int  # response length in tokens (estimated from characters when num_tokens_estimated)
+    num_tokens_estimated: bool
+    l_max: int  # the overlong-penalty window in force for this response (its length stage's)
+    l_cache: int
+    task: dict[str, Any]
+
+    def builtin(self, response: str) -> RewardBreakdown:
+        """The built-in reward (format gate, correctness, overlong penalty, language) of `response`."""
+        from megatron_rl.reward.compose import builtin_score
+
+        return builtin_score(self.task, response, self.config,
+                             None if self.num_tokens_estimated else self.num_tokens,
+                             l_max=self.l_max, l_cache=self.l_cache)
+
+
+def _from_file(path_text: str) -> Any:
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise RewardPluginError(f"file {path_text!r} not found (relative paths start at {Path.cwd()})")
+    name = "megatron_rl_reward_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RewardPluginError(f"{path_text!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _from_entry_point(name: str) -> Callable:
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in found:
+        if ep.name == name:
+            return ep.load()
+    known = sorted({ep.name for ep in found})
+    raise RewardPluginError(f"no entry point {name!r} in group {ENTRY_POINT_GROUP} (installed: "
+                            f"{', '.join(known) or 'none'}); use 'module:function' or 'file.py:function'")
+
+
+@functools.lru_cache(maxsize=None)
+def load_reward_fn(spec: str) -> Callable:
+    """The plug-in function of `spec` (cached per process); RewardPluginError naming reward.custom."""
+    try:
+        if ":" not in spec:
+            fn = _from_entry_point(spec.strip())
+        else:
+            where, name = (part.strip() for part in spec.rsplit(":", 1))
+            is_file = where.endswith(".py") or "/" in where
+            module = _from_file(where) if is_file else importlib.import_module(where)
+            if not hasattr(module, name):
+                raise RewardPluginError(f"{where} has no function {name!r}")
+            fn = getattr(module, name)
+    except RewardPluginError as e:
+        raise RewardPluginError(f"reward.custom {spec!r}: {e}") from None
+    except Exception as e:  # ImportError, SyntaxError, or whatever the plug-in's import raised
+        raise RewardPluginError(f"reward.custom {spec!r}: cannot load it: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise RewardPluginError(f"reward.custom {spec!r}: {type(fn).__name__} is not callable")
+    try:
+        inspect.signature(fn).bind(None, "", None)
+    except TypeError:
+        raise RewardPluginError(f"reward.custom {spec!r}: must take (task, response, ctx)") from None
+    except ValueError:  # builtins without a signature: call and see
+        pass
+    return fn
+
+
+def plugin_error(spec: str) -> str | None:
+    """Why `spec` cannot be used as reward.custom (None: it loads). For config validation."""
+    try:
+        load_reward_fn(spec)
+    except RewardPluginError as e:
+        return str(e).removeprefix(f"reward.custom {spec!r}: ")
+    return None
+
+
+def _checked(spec: str, out: Any) -> RewardBreakdown:
+    def bad(why: str) -> RewardPluginError:
+        return RewardPluginError(f"reward.custom {spec!r} returned {why}; expected a "
+                                 f"megatron_rl.reward.RewardBreakdown (docs/reward.md, 'Add a verifier')")
+
+    if not isinstance(out, RewardBreakdown):
+        raise bad(f"a {type(out).__name__}")
+    for name in ("format_ok", "correct", "language_ok"):
+        if not isinstance(getattr(out, name), bool):
+            raise bad(f"{name}={getattr(out, name)!r} (not a bool)")
+    for name in ("total", "length_penalty"):
+        value = getattr(out, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(f"{name}={value!r} (not a finite number)")
+        setattr(out, name, float(value))
+    if out.status not in _STATUSES:
+        raise bad(f"status={out.status!r} (known: {', '.join(_STATUSES)})")
+    if not isinstance(out.details, dict):
+        raise bad(f"details of type {type(out.details).__name__} (not a dict)")
+    return out
+
+
+def custom_score(spec: str, task: dict[str, Any], response: str, ctx: RewardContext) -> RewardBreakdown:
+    """Grade with the plug-in of `spec` and check what it returned."""
+    out = _checked(spec, load_reward_fn(spec)(dict(task), response, ctx))
+    out.num_tokens, out.num_tokens_estimated = ctx.num_tokens, ctx.num_tokens_estimated
+    out.details.setdefault("reward", f"custom:{spec}")
+    return out

@@ -62,11 +62,11 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name}: only dense (strided) tensors can be bucketed, got {tensor.layout}")
 
 
-def flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """Pack tensors into one flat byte tensor (on the device of the first tensor)."""
+def layout(named: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    """The manifest of a bucket holding `named` back to back (checks names and dtype alignment)."""
     if not named:
         raise ValueError("cannot build an empty bucket")
-    metas, parts, offset = [], [], 0
+    metas, offset = [], 0
     seen: set[str] = set()
     for name, t in named:
         _check_tensor(name, t)
@@ -77,19 +77,48 @@ def flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
         if offset % item:
             raise ValueError(f"{name}: byte offset {offset} is not a multiple of {t.dtype} size {item}; "
                              "use plan_buckets, which starts a new bucket instead")
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, b.numel()))
-        parts.append(b)
-        offset += b.numel()
-    flat = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+        nbytes = t.numel() * item
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset += nbytes
+    return metas
+
+
+def bucket_size(metas: list[TensorMeta]) -> int:
+    return metas[-1].offset + metas[-1].nbytes
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s own storage as a flat uint8 view when it is already laid out as the bucket wants it
+    (contiguous), else None: such a tensor alone in a bucket is sent without any copy."""
+    if not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def write_into(named: list[tuple[str, torch.Tensor]], buf: torch.Tensor) -> Bucket:
+    """Pack `named` into the front of the uint8 buffer `buf`: one copy per tensor, straight from
+    its (possibly strided, possibly other-device) storage into its slot, none through a temporary."""
+    metas = layout(named)
+    size = bucket_size(metas)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < size:
+        raise ValueError(f"bucket of {size} bytes does not fit a buffer of {buf.numel()} {buf.dtype}")
+    flat = buf[:size]
+    for m, (_, t) in zip(metas, named):
+        flat[m.offset:m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
     return Bucket(flat=flat, metas=metas)
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """Pack tensors into one new flat byte tensor (on the device of the first tensor)."""
+    metas = layout(named)
+    return write_into(named, torch.empty(bucket_size(metas), dtype=torch.uint8, device=named[0][1].device))
 
 
 def empty_like_manifest(metas: list[TensorMeta], device: torch.device | str = "cpu") -> Bucket:
     """A receive buffer with the layout `metas` describes."""
     if not metas:
         raise ValueError("cannot build an empty bucket")
-    size = metas[-1].offset + metas[-1].nbytes
+    size = bucket_size(metas)
     return Bucket(flat=torch.empty(size, dtype=torch.uint8, device=device), metas=list(metas))
 
 

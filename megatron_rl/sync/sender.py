@@ -3,7 +3,8 @@
 One `WeightSender` per sending trainer rank (each pipeline stage sends its own layers; with TP the
 tensors are already gathered to full HF layout by the exporter). It works on any iterable of
 `(hf_name, tensor)` — `megatron_rl.train.hf_weights.export_hf_tensors(...)` or an HF model's
-`named_parameters()` — and never holds more than one bucket of it.
+`named_parameters()` — and never holds more than two buckets of it: the one on the wire and the
+next, which a producer thread converts and packs meanwhile (`sync.pipeline.BucketStream`).
 
 Groups: one torch.distributed group per (sender, generator) pair, the sender as rank 0. With one
 generator that is one group per sender rank. Pairs rather than one group spanning all generators:
@@ -30,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.client import SGLangClient
-from megatron_rl.sync.buckets import Bucket, bucketize
+from megatron_rl.sync.buckets import Bucket
 from megatron_rl.sync.group import close_update_group, default_backend, open_update_group
+from megatron_rl.sync.pipeline import BucketStream
 
 
 class WeightSyncError(RuntimeError):
@@ -119,8 +121,8 @@ class WeightSender:
         report = SendReport(self.sender_rank)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(self._links)) as pool:
-            for bucket in bucketize(((n, t.detach().to(self.device)) for n, t in named_tensors),
-                                    self.bucket_bytes):
+            # bucket k+1 is converted and packed (producer thread) while bucket k is on the wire
+            for bucket in BucketStream(named_tensors, self.bucket_bytes, self.device):
                 for retries in pool.map(lambda l: self._send_bucket(l, bucket), self._links):
                     report.retries += retries
                 report.names += bucket.names

@@ -57,6 +57,9 @@ class AlgoConfig:
     mask_ratio_high: float = 2.0  # its upper end (tokens above it are masked too)
     # Advantage estimator for pass@k training (None = plain pass@1 / GRPO).
     pass_at_k: int | None = None
+    # Entropy bonus: entropy_coef x the token-mean policy entropy is subtracted from the loss (maximised).
+    # 0 = off (Magistral found it unstable and uses clip-higher instead; docs/experiments.md).
+    entropy_coef: float = 0.0
 
     def validate(self, key: str) -> None:
         check(0.0 <= self.eps_low < 1.0, f"{key}.eps_low", "must lie in [0, 1)")
@@ -74,6 +77,7 @@ class AlgoConfig:
                "sequence_tis weighs sequences by the trainer/generator ratio at the update start: it needs "
                "algo.proximal: trainer")
         check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
+        check(self.entropy_coef >= 0.0, f"{key}.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
 
 
 @dataclass

@@ -31,6 +31,11 @@ Options beyond the recipe (off by default):
 - `correction` (`algo.correction.ISCorrection`): the general form of the two above, with masked IS
   (`token_mask`) and sequence-level IS (`sequence_tis`, per-sequence from `segment_ids`); `tis_cap`
   alone is `ISCorrection("token_tis", tis_cap)`. Pass one or the other.
+- `entropy` + `entropy_coef`: the entropy bonus l_t -= entropy_coef * H_t, with H_t the entropy of
+  pi_theta over the vocabulary at token t (graph-connected, e.g. `train.logprobs.token_entropy`), so
+  minimising the loss raises the entropy. It is normalised like the surrogate and not importance
+  weighted (a regulariser of the current policy). Magistral tried it and kept clip-higher instead
+  (`algo.entropy_coef`, 0 = off; docs/experiments.md).
 
 Everything is computed in at least float32 (bf16 inputs are upcast, float64 is kept); masked positions never contribute, even
 if they hold inf/nan (padding).
@@ -122,10 +127,15 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
                      eps_low: float = 0.2, eps_high: float = 0.28, *,
                      proximal_logprobs: Tensor | None = None,
                      tis_cap: float | None = None, correction: ISCorrection | None = None,
-                     segment_ids: Tensor | None = None) -> TokenLossTerms:
+                     segment_ids: Tensor | None = None, entropy: Tensor | None = None,
+                     entropy_coef: float = 0.0) -> TokenLossTerms:
     """Per-token clipped-surrogate terms and clip/ratio bookkeeping (see the module docstring).
-    segment_ids `[B, T]`: sequences of a packed row (sequence_tis); None: one sequence per row."""
+    segment_ids `[B, T]`: sequences of a packed row (sequence_tis); None: one sequence per row.
+    entropy `[B, T]`: per-token policy entropy, needed when entropy_coef != 0 (the bonus)."""
     _check_inputs(logprobs, behaviour_logprobs, advantages, mask, eps_low, eps_high)
+    if entropy_coef != 0.0 and (entropy is None or entropy.shape != logprobs.shape):
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy of shape {tuple(logprobs.shape)}, got "
+                         f"{None if entropy is None else tuple(entropy.shape)}")
     if correction is not None and tis_cap is not None:
         raise ValueError("pass tis_cap or correction, not both (the correction carries its cap)")
     corr = correction if correction is not None else ISCorrection("token_tis", tis_cap)
@@ -149,7 +159,10 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
         weight = anchored_factor(anchor - behav, m, corr, segment_ids)
     else:  # the ratio carries rho: a stop-gradient factor turns its gradient weight r into c
         weight = current_ratio_weight(ratio, m, corr)
-    per_token = torch.where(m, per_token * weight, 0.0)
+    per_token = per_token * weight
+    if entropy_coef != 0.0:
+        per_token = per_token + entropy_bonus_terms(entropy.to(f32), entropy_coef)
+    per_token = torch.where(m, per_token, 0.0)
 
     r = ratio.detach()
     return TokenLossTerms(
@@ -161,6 +174,14 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
         mask=m,
         is_masked=m & (weight == 0) if corr.kind == "token_mask" else None,
     )
+
+
+def entropy_bonus_terms(entropy: Tensor, entropy_coef: float) -> Tensor:
+    """Per-token loss terms of the entropy bonus: -entropy_coef * H_t (maximising the entropy).
+    Unmasked positions only count after `aggregate` (or a masked sum)."""
+    if entropy_coef < 0:
+        raise ValueError(f"entropy_coef must be >= 0 (a bonus), got {entropy_coef}")
+    return -entropy_coef * entropy
 
 
 def aggregate(per_token: Tensor, mask: Tensor, normalizer: Normalizer = None,
@@ -200,7 +221,8 @@ def clipped_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages:
                        normalizer: Normalizer = None, level: Level = "token",
                        proximal_logprobs: Tensor | None = None,
                        tis_cap: float | None = None, correction: ISCorrection | None = None,
-                       segment_ids: Tensor | None = None) -> Tensor:
+                       segment_ids: Tensor | None = None, entropy: Tensor | None = None,
+                       entropy_coef: float = 0.0) -> Tensor:
     """Scalar token-normalised clipped surrogate loss (Magistral's GRPO objective, negated).
 
     logprobs: `[B, T]` log pi_theta of the sampled tokens (requires grad).
@@ -209,10 +231,12 @@ def clipped_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages:
     mask: `[B, T]` bool/0-1, True on completion tokens that count.
     normalizer: total unmasked tokens of the whole minibatch across micro-batches and DP ranks
         (float, int or 0-dim tensor); None -> mask.sum() of this call.
+    entropy, entropy_coef: the entropy bonus (module docstring); entropy `[B, T]` graph-connected.
     """
     terms = token_loss_terms(logprobs, behaviour_logprobs, advantages, mask, eps_low, eps_high,
                              proximal_logprobs=proximal_logprobs, tis_cap=tis_cap,
-                             correction=correction, segment_ids=segment_ids)
+                             correction=correction, segment_ids=segment_ids,
+                             entropy=entropy, entropy_coef=entropy_coef)
     return aggregate(terms.loss, terms.mask, normalizer, level)
 
 
@@ -221,9 +245,11 @@ def clipped_token_loss_with_stats(logprobs: Tensor, behaviour_logprobs: Tensor, 
                                   normalizer: Normalizer = None, level: Level = "token",
                                   proximal_logprobs: Tensor | None = None,
                                   tis_cap: float | None = None, correction: ISCorrection | None = None,
-                                  segment_ids: Tensor | None = None) -> tuple[Tensor, LossStats]:
+                                  segment_ids: Tensor | None = None, entropy: Tensor | None = None,
+                                  entropy_coef: float = 0.0) -> tuple[Tensor, LossStats]:
     """`clipped_token_loss` plus its LossStats, computed from the same per-token terms."""
     terms = token_loss_terms(logprobs, behaviour_logprobs, advantages, mask, eps_low, eps_high,
                              proximal_logprobs=proximal_logprobs, tis_cap=tis_cap,
-                             correction=correction, segment_ids=segment_ids)
+                             correction=correction, segment_ids=segment_ids,
+                             entropy=entropy, entropy_coef=entropy_coef)
     return aggregate(terms.loss, terms.mask, normalizer, level), terms.stats()

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron_rl.algo import mismatch
 from megatron_rl.algo.advantages import normalize
 from megatron_rl.algo.correction import is_correction
-from megatron_rl.algo.loss import clipped_token_loss_with_stats
+from megatron_rl.algo.loss import clipped_token_loss_with_stats, entropy_bonus_terms
 from megatron_rl.config import AlgoConfig, TrainerConfig
 from megatron_rl.records import TrainSequence
 from megatron_rl.ops import SequenceKL, fused_clipped_loss
@@ -143,8 +143,8 @@ def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx
         logits, mb.labels, mb.behaviour_logprobs, mb.advantages, mask, algo.eps_low, algo.eps_high,
         tp_group, normalizer=1.0, vocab_size=ctx.vocab_size, correction=correction, segment_ids=segments,
         proximal_logprobs=proximal, kl=kl,
-        # the gradient overwrites the logits buffer: nothing reads the logits after this loss
-        inplace_backward=True, return_logprobs=True)
+        # the gradient overwrites the logits buffer unless the entropy bonus's backward still reads them
+        inplace_backward=algo.entropy_coef == 0, return_logprobs=True)
     with torch.no_grad():  # O(tokens): the surrogate's statistics on the same logprobs
         _, st = clipped_token_loss_with_stats(logp, mb.behaviour_logprobs, mb.advantages, mask,
                                               algo.eps_low, algo.eps_high, normalizer=1.0,
@@ -190,9 +190,12 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
     entropy = None
     if objective == "rl":
         output = _tempered(output, mb)
-        if log_entropy:  # before the loss: its backward overwrites the logits
-            entropy = token_entropy(output.detach(), tp_group, vocab_size=ctx.vocab_size)
+        bonus = ctx.algo.entropy_coef > 0  # graph-connected entropy, its token sum beside the fused loss
+        if bonus or log_entropy:  # before the loss: its backward overwrites the logits (unless the bonus)
+            entropy = token_entropy(output if bonus else output.detach(), tp_group, vocab_size=ctx.vocab_size)
         loss_sum, logp, stats = _rl_loss(output, mb, mask, ctx, tp_group)
+        if bonus:
+            loss_sum = loss_sum + torch.where(mask, entropy_bonus_terms(entropy, ctx.algo.entropy_coef), 0.0).sum()
     else:
         res = token_logprobs(output, mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size,
                              with_entropy=log_entropy)

@@ -13,9 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
     a = sub.add_parser("to-megatron", help="HF directory (or smollm2-135m) -> dist checkpoint root")
     a.add_argument("source", help="HF model directory (config.json + safetensors) or smollm2-135m")
-    a.add_argument("out", help="checkpoint root to create (step_00000000/, latest, hf_config/)")
+    a.add_argument("out", help="checkpoint root to create (iter_0000000/, latest_checkpointed_iteration.txt, "
+                               "hf_config/)")
     b = sub.add_parser("to-hf", help="dist checkpoint (root or step dir) -> HF directory")
-    b.add_argument("checkpoint", help="checkpoint root (its latest) or one step_* directory")
+    b.add_argument("checkpoint", help="checkpoint root (the iteration its latest_checkpointed_iteration.txt "
+                                      "names) or one iter_* directory")
     b.add_argument("out", help="HF directory to write (safetensors shards, index, config, tokenizer)")
     b.add_argument("--hf-config", default=None,
                    help="HF config source (model dir/name); default: hf_config/ next to the checkpoint")
@@ -24,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="check the checkpoint's files against its manifest: CRC32 of every file (default), "
                         "or presence and sizes only (no extra read of a large checkpoint)")
     a.add_argument("--force", action="store_true",
-                   help="write into a folder that already holds checkpoints (moves its `latest` to step 0)")
+                   help="write into a folder that already holds checkpoints (moves its tracker file to step 0)")
     for p in (a, b):
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this job")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this job")

@@ -75,8 +75,10 @@ def main(args: argparse.Namespace) -> int:
 def ended_message(run_dir: Path, config: str, status: int) -> str:
     """What to do after a job that ended badly: mpiexec ends every rank when one dies (kill -9, out of
     memory, a node lost) and names its pid above; RUN_DIR/ranks/ says which rank and role had it."""
-    latest = run_dir / "checkpoints" / "latest"
-    where = (f"continue from its last checkpoint ({latest.read_text().strip()}) with: megatron-rl train {config} "
-             f"--resume" if latest.is_file() else "it wrote no checkpoint yet: start it again")
+    from megatron_rl.train.checkpoint_dirs import tracked_step
+
+    step = tracked_step(run_dir / "checkpoints")
+    where = (f"continue from its last checkpoint (iteration {step}) with: megatron-rl train {config} "
+             f"--resume" if step is not None else "it wrote no checkpoint yet: start it again")
     return (f"megatron-rl train: the job ended with status {status} (a rank failed or died: the messages above "
             f"name it, {run_dir / 'ranks'} maps pids to ranks and roles); {where}")

@@ -21,6 +21,7 @@ from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.node import NodeEnvError, assign_gpus, gather_nodes
 from megatron_rl.sync.group import bind_listener
+from megatron_rl.train.checkpoint_dirs import holds_checkpoints
 
 RANKS_DIR = "ranks"  # RUN_DIR/ranks/<rank>.pid: "PID ROLE HOST", one file per rank of the current start
 
@@ -43,7 +44,7 @@ def resume_root(cfg: Config) -> Path | None:
     the run directory's state and the mode disagree."""
     run_dir = Path(cfg.run.output_dir)
     ckpt_root = run_dir / "checkpoints"
-    has_ckpt = (ckpt_root / "latest").exists()
+    has_ckpt = holds_checkpoints(ckpt_root)  # a tracker file (or the old layout's `latest`: refused on load)
     if cfg.run.resume == "require" and not has_ckpt:
         raise ConfigError(f"run.resume: require (--resume) but there is no checkpoint under {ckpt_root}")
     if cfg.run.resume == "fresh" and has_ckpt:

@@ -8,8 +8,8 @@ TP*PP > 1; a plain process is a world of one). The layout of the job decides the
   (`train.hf_weights.load_hf_weights` over the lazy `SafetensorsTensors`), and the shards are saved
   with `train.checkpoint.save_checkpoint` (atomic, resumable by the Trainer, reshardable to any
   TP/PP on load). The HF config and tokenizer are copied to `root/hf_config/` so that the reverse
-  conversion needs nothing else. A folder that already holds checkpoints (`latest`, `step_*`: a
-  run's) is refused unless `force=True`: the conversion would point its `latest` at step 0.
+  conversion needs nothing else. A folder that already holds checkpoints (a tracker file,
+  `iter_*`: a run's) is refused unless `force=True`: the conversion would move its tracker to step 0.
 - `megatron_to_hf(checkpoint, out_dir, layout)`: checks the checkpoint's files against its manifest
   (`verify`: "checksum" or "size"; a damaged file is a CheckpointError naming it, before anything
   is read), loads it (a converted one or a trainer checkpoint) at the job's layout — `train.checkpoint` reshards TP, PP and DP, TP padding
@@ -105,14 +105,14 @@ def _start(layout: ParallelLayout, backend: str | None) -> ParallelLayout:
 
 
 def refuse_checkpoint_root(root: Path, step: int = 0) -> None:
-    """ConversionError when `root` already holds checkpoints (a `latest` pointer or step directories)."""
-    from megatron_rl.train.checkpoint_dirs import LATEST, complete_checkpoints
+    """ConversionError when `root` already holds checkpoints (a tracker file or iteration directories)."""
+    from megatron_rl.train.checkpoint_dirs import TRACKER, complete_checkpoints, holds_checkpoints
 
     steps = [p.name for p in complete_checkpoints(root)]
-    if steps or (root / LATEST).exists():
-        held = f"{len(steps)} step directories ({steps[0]} .. {steps[-1]})" if steps else f"a `{LATEST}` pointer"
+    if steps or holds_checkpoints(root):
+        held = f"{len(steps)} iteration directories ({steps[0]} .. {steps[-1]})" if steps else "a tracker file"
         raise ConversionError(f"{root} already holds checkpoints: {held}; converting into it would point "
-                              f"`{LATEST}` at the converted step {step}. Choose a new folder, or pass --force "
+                              f"{TRACKER} at the converted step {step}. Choose a new folder, or pass --force "
                               f"(force=True) to write there anyway")
 
 

@@ -1,9 +1,12 @@
 """Trainer checkpoints: Megatron `dist_checkpointing`, written atomically, resumable bit-exactly.
 
-Each checkpoint is one dist_checkpointing directory `root/step_<N>` (model, optimizer, RNG, step,
-layout, the controller's JSON extra state), written aside and committed by a rename with `root/latest`
-naming the newest complete one (`checkpoint_dirs`: a writer killed at any moment leaves a usable
-previous checkpoint).
+Each checkpoint is one dist_checkpointing directory `root/iter_<7-digit step>` (model, optimizer, RNG,
+step, layout, the controller's JSON extra state), written aside and committed by a rename with
+`root/latest_checkpointed_iteration.txt` holding the newest complete one's step: Megatron-LM's
+torch_dist layout (`checkpoint_dirs`: a writer killed at any moment leaves a usable previous
+checkpoint). The common state also carries Megatron-LM's `iteration` and `checkpoint_version` keys;
+what differs from a Megatron-LM checkpoint: no `args` namespace, RNG state under our own keys, and
+the optimizer's sharded keys are Megatron-Core's (the same code), not `opt_param_scheduler`.
 
 Resharding (format_version 2): a checkpoint loads into any TP/PP/VPP/DP layout, weights and
 Adam state alike, also for models that `train/model.py` pads for TP (vocab, KV groups, MLP width
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.train.checkpoint_dirs import barrier, begin_save, commit_save, resolve_checkpoint, step_dirname
+from megatron_rl.train.checkpoint_dirs import barrier, begin_save, commit_save, iter_dirname, resolve_checkpoint
 from megatron_rl.train.checkpoint_manifest import MANIFEST, VERIFY_MODES, CheckpointError, describe, verify_manifest
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 _MODEL_METADATA: dict[int, dict[str, Any] | None] = {1: None, 2: {"singleton_local_shards": True}}
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
+# Megatron-LM's `checkpoint_version` of its checkpoints (3.0 since 2020), stored for its tools beside `iteration`.
+MEGATRON_CHECKPOINT_VERSION = 3.0
 # ModelDims fields that define the HF model (not the TP-padded sizes): they must match on load.
 DIMS_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                "ffn_size", "qkv_bias", "tie_embeddings", "norm_eps", "rope", "max_position_embeddings",
@@ -214,12 +219,13 @@ def _optimizer_has_state(optimizer) -> bool:
 
 
 def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
-                    extra: dict[str, Any] | None = None, keep_last: int = 0,
+                    extra: dict[str, Any] | None = None, keep_last: int | None = 0,
                     optimizer_format: str = "fully_reshardable", reference: list | None = None) -> Path:
     """Collective: save model chunks, optimizer, RNG, step and `extra` (JSON) under `root`.
 
     `optimizer_format`: "fully_reshardable" (loads into any layout) or "dp_reshardable" (faster,
-    reshards only over DP). `reference`: the KL reference policy's chunks, saved beside the model."""
+    reshards only over DP). `reference`: the KL reference policy's chunks, saved beside the model.
+    `keep_last`: delete all but the newest this many checkpoints of `root` after the save (0 or None: keep all)."""
     from megatron.core import dist_checkpointing
 
     if optimizer_format not in OPTIMIZER_FORMATS:
@@ -227,8 +233,7 @@ def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
     root = Path(root)
     extra_json = json.dumps(extra or {}, sort_keys=True)  # fail before writing anything
     dims = _dims_record(model)
-    name = step_dirname(step)
-    tmp = begin_save(root, name)
+    tmp = begin_save(root, iter_dirname(step))
     # A fresh optimizer has no state to save (and faking one would take an Adam step): it is saved
     # as absent and stays fresh on load, which is exactly the saved situation.
     has_opt = optimizer is not None and _optimizer_has_state(optimizer)
@@ -236,9 +241,10 @@ def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
                            version=FORMAT_VERSION, optimizer_format=optimizer_format, reference=reference)
     state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout), has_optimizer=has_opt,
                  format_version=FORMAT_VERSION, optimizer_format=optimizer_format, model_dims=dims,
-                 has_reference=reference is not None, has_manifest=True)
+                 has_reference=reference is not None, has_manifest=True,
+                 iteration=int(step), checkpoint_version=MEGATRON_CHECKPOINT_VERSION)
     dist_checkpointing.save(state, str(tmp))
-    return commit_save(root, tmp, name, keep_last)
+    return commit_save(root, tmp, int(step), keep_last)
 
 
 def _resolve(path: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """Checkpoint manifests: every file of a checkpoint with its size and CRC32, written last.
 
-`step_<N>/manifest.json` lists every other file under the step directory (relative path, size in
+`iter_<N>/manifest.json` lists every other file under the checkpoint directory (relative path, size in
 bytes, CRC32 of the content) and a CRC32 of that list itself. `commit_save` writes it after every
 rank finished writing and before the directory is renamed into place, so a committed checkpoint
 always carries one; `verify_manifest` checks the files against it before anything reads them and

@@ -44,7 +44,7 @@ class Trainer:
     """Megatron-Core policy trainer (TP x PP x DP) for the RL step and SFT."""
 
     def __init__(self, config: Config, *, hf_config=None, load_weights: bool = True,
-                 keep_checkpoints: int = 3, backend: str | None = None):
+                 keep_checkpoints: int | None = None, backend: str | None = None):
         from megatron_rl.train.hf_source import resolve_model
         from megatron_rl.train.model import Recompute, build_model, te_available
 
@@ -69,7 +69,8 @@ class Trainer:
                           if config.algo.kl_mode != "none" else None)
         self.model = wrap_model(chunks, t)
         self.optimizer = build_optimizer(self.model, t)
-        self.keep_checkpoints = keep_checkpoints
+        # checkpoints kept by save() (0: all); the run's run.keep_checkpoints unless the caller says
+        self.keep_checkpoints = (config.run.keep_checkpoints if keep_checkpoints is None else keep_checkpoints) or 0
         self.ctx = StepContext(algo=config.algo, trainer=t, layout=self.layout,
                                vocab_size=self.dims.vocab_size, use_thd=te_available())
         self.version = 0
@@ -129,7 +130,8 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def save(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Collective: atomic checkpoint `root/step_<version>`; `extra` must be JSON-serialisable."""
+        """Collective: atomic checkpoint `root/iter_<version>` (Megatron-LM's layout), keeping the newest
+        `keep_checkpoints`; `extra` must be JSON-serialisable."""
         own = {"version": self.version, "step": self.step}
         if self._saved_reference() is not None:
             own["reference_version"] = self.reference.version

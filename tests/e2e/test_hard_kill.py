@@ -59,8 +59,8 @@ def _config(tmp_path: Path, policy, port_base: int) -> Path:
 
 
 def _checkpointed_update(run_dir: Path) -> int:
-    latest = run_dir / "checkpoints" / "latest"
-    return int(latest.read_text().split("_")[-1]) if latest.is_file() else 0
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    return int(tracker.read_text()) if tracker.is_file() else 0
 
 
 def _wait_past_a_checkpoint(proc: subprocess.Popen, run_dir: Path, after: int, timeout_s: float = 600) -> None:

@@ -3,7 +3,7 @@
 The writer (this file's `__main__` part, a separate process) trains, saves checkpoint 1, trains
 again and starts saving checkpoint 2; it announces the moment (before dist_checkpointing writes, or
 after it wrote but before the commit) and the test SIGKILLs its whole process group there. The test
-then resolves `latest`, loads it into a fresh trainer and checks the weights are those of
+then resolves the root (its tracker file), loads it into a fresh trainer and checks the weights are those of
 checkpoint 1, bit for bit, and that the next save cleans the debris up.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_kill_mid_save_keeps_previous_checkpoint(tiny_llama_dir, tmp_path, momen
     assert proc.returncode == -signal.SIGKILL
     tmp_dir = Path(line.split()[1])
     assert tmp_dir.exists() and ".tmp-" in tmp_dir.name  # debris of the interrupted save
-    assert resolve_checkpoint(root) == root / "step_00000001"
+    assert resolve_checkpoint(root) == root / "iter_0000001"
 
     trainer = Trainer(_config(str(tiny_llama_dir)))
     assert trainer.load(root) == {"data_position": 1} and trainer.version == 1
@@ -102,8 +102,8 @@ def test_kill_mid_save_keeps_previous_checkpoint(tiny_llama_dir, tmp_path, momen
     for name, value in saved.items():
         assert torch.equal(params[name].detach(), value), name
     trainer.train_on(_batch(trainer.dims.vocab_size, 1))
-    assert trainer.save(root) == root / "step_00000002"
-    assert not tmp_dir.exists() and resolve_checkpoint(root) == root / "step_00000002"
+    assert trainer.save(root) == root / "iter_0000002"
+    assert not tmp_dir.exists() and resolve_checkpoint(root) == root / "iter_0000002"
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ def prepare(tmp_path, monkeypatch):
 
 def _checkpoint(tmp_path):
     root = tmp_path / "run" / "checkpoints"
-    (root / "step_00000003").mkdir(parents=True)
-    (root / "latest").write_text("step_00000003")
+    (root / "iter_0000003").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
     return root
 
 

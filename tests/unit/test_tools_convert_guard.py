@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main as cli
+from megatron_rl.train.checkpoint_dirs import TRACKER
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +25,11 @@ def converted(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 def _run_folder(converted: Path, tmp_path: Path) -> Path:
-    """A folder as a run leaves it: checkpoints of step 5 with `latest` naming it."""
+    """A folder as a run leaves it: checkpoints of step 5 with the tracker file naming it."""
     run = tmp_path / "run"
     shutil.copytree(converted, run)
-    (run / "step_00000000").rename(run / "step_00000005")
-    (run / "latest").write_text("step_00000005\n")
+    (run / "iter_0000000").rename(run / "iter_0000005")
+    (run / TRACKER).write_text("5")
     return run
 
 
@@ -43,13 +44,13 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("holds", ["latest and steps", "latest only", "steps only"])
+@pytest.mark.parametrize("holds", ["tracker and iterations", "tracker only", "iterations only"])
 def test_to_megatron_refuses_a_folder_holding_checkpoints(converted, tiny_llama_dir, tmp_path, capsys, holds):
     run = _run_folder(converted, tmp_path)
-    if holds == "latest only":
-        shutil.rmtree(run / "step_00000005")
-    elif holds == "steps only":
-        (run / "latest").unlink()
+    if holds == "tracker only":
+        shutil.rmtree(run / "iter_0000005")
+    elif holds == "iterations only":
+        (run / TRACKER).unlink()
     before = _contents(run)
     assert cli(["convert", "to-megatron", str(tiny_llama_dir), str(run)]) == 1
     line = _one_error_line(capsys)
@@ -61,22 +62,22 @@ def test_to_megatron_force_writes_into_it(converted, tiny_llama_dir, tmp_path, c
     from megatron_rl.train.checkpoint import verify_checkpoint
 
     run = _run_folder(converted, tmp_path)
-    old = _contents(run / "step_00000005")
+    old = _contents(run / "iter_0000005")
     assert cli(["convert", "to-megatron", str(tiny_llama_dir), str(run), "--force", "--backend", "gloo"]) == 0
-    assert (run / "latest").read_text().strip() == "step_00000000"
-    assert verify_checkpoint(run) == run / "step_00000000"
-    assert _contents(run / "step_00000005") == old  # the run's own checkpoints are left alone
+    assert (run / TRACKER).read_text() == "0"
+    assert verify_checkpoint(run) == run / "iter_0000000"
+    assert _contents(run / "iter_0000005") == old  # the run's own checkpoints are left alone
 
 
 def test_to_hf_refuses_a_byte_flipped_shard(converted, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(converted, ckpt)
-    shard = max((ckpt / "step_00000000").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard = max((ckpt / "iter_0000000").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
     out = tmp_path / "hf"
     assert cli(["convert", "to-hf", str(ckpt), str(out), "--backend", "gloo"]) == 1
     line = _one_error_line(capsys)
-    assert str(ckpt / "step_00000000") in line and shard.name in line, line
+    assert str(ckpt / "iter_0000000") in line and shard.name in line, line
     assert not out.exists()

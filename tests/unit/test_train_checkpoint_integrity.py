@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_rl.train.checkpoint import CheckpointError, verify_checkpoint
-from megatron_rl.train.checkpoint_dirs import step_dirname
+from megatron_rl.train.checkpoint_dirs import TRACKER, iter_dirname
 
 from test_train_step import make_config  # noqa: E402  (tests/unit on sys.path)
 
@@ -38,7 +38,7 @@ def damaged(saved, tmp_path):
     trainer, root = saved
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    step = copy / step_dirname(0)
+    step = copy / iter_dirname(0)
     shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
     return trainer, copy, step, shard
 
@@ -130,12 +130,12 @@ def test_damaged_manifest(damaged, damage):
     _refused(trainer, root, step, "manifest.json")
 
 
-def test_latest_pointing_nowhere(damaged):
+def test_tracker_pointing_nowhere(damaged):
     trainer, root, step, _ = damaged
-    (root / "latest").write_text("step_00000007\n")
-    with pytest.raises(CheckpointError, match=r"latest names 'step_00000007'.*step_00000000") as caught:
+    (root / TRACKER).write_text("7")
+    with pytest.raises(CheckpointError, match=r"holds '7'.*iter_0000000") as caught:
         trainer.load(root)
-    assert str(root / "latest") in str(caught.value)
+    assert str(root / TRACKER) in str(caught.value)
 
 
 def _as_old_checkpoint(step: Path) -> None:

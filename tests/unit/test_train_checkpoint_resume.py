@@ -76,7 +76,7 @@ def test_format_1_checkpoint_still_loads_and_resumes(tiny_llama_dir, tmp_path):
                                 with_rng=True, version=1, optimizer_format="dp_reshardable")
     state.update(step=1, extra_json=json.dumps({"_trainer": {"version": 1, "step": 2}, "user": {"k": 1}}),
                  layout={"tp": 1, "pp": 1, "dp": 1, "vpp": None}, has_optimizer=True, format_version=1)
-    out = tmp_path / "v1" / ckpt.step_dirname(1)
+    out = tmp_path / "v1" / ckpt.iter_dirname(1)
     out.mkdir(parents=True)
     dist_checkpointing.save(state, str(out))
     keys = set(dist_checkpointing.load_tensors_metadata(str(out)))
@@ -91,7 +91,7 @@ def test_format_1_checkpoint_still_loads_and_resumes(tiny_llama_dir, tmp_path):
     assert all(torch.equal(v, _params(b)[k]) for k, v in _params(a).items())
     b.save(tmp_path / "v2")  # saves go to the current format
     assert "decoder.layers.0.mlp.linear_fc1.weight_w" in dist_checkpointing.load_tensors_metadata(
-        str(tmp_path / "v2" / ckpt.step_dirname(2)))
+        str(tmp_path / "v2" / ckpt.iter_dirname(2)))
     assert ckpt.read_common(tmp_path / "v2")["format_version"] == ckpt.FORMAT_VERSION == 2
 
 
@@ -104,3 +104,24 @@ def test_format_1_refuses_a_tp_whose_padding_differs(tmp_path):
     _check_v1_padding(tmp_path, odd, 2, 2)
     with pytest.raises(CheckpointError, match="load it at tp=2"):
         _check_v1_padding(tmp_path, odd, 2, 1)
+
+
+@pytest.mark.parametrize("keep", [2, 0, None])
+def test_run_keep_checkpoints_prunes_and_megatron_keys_are_stored(tiny_llama_dir, tmp_path, keep):
+    """run.keep_checkpoints reaches the trainer's saves (0 or null: keep all), and the common state
+    carries Megatron-LM's `iteration` and `checkpoint_version` beside our own keys."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.config import config_from_dict
+    from megatron_rl.train.trainer import Trainer
+
+    trainer_keys = {"model": str(tiny_llama_dir), "precision": "fp32", "micro_batch_tokens": 24}
+    tr = Trainer(config_from_dict({"trainer": trainer_keys, "run": {"keep_checkpoints": keep}}))
+    for version in (1, 2, 3):
+        tr.version = version
+        tr.save(tmp_path / "c")
+    kept = sorted(p.name for p in (tmp_path / "c").iterdir() if p.name.startswith("iter_"))
+    assert kept == (["iter_0000002", "iter_0000003"] if keep else ["iter_0000001", "iter_0000002", "iter_0000003"])
+    common = dist_checkpointing.load_common_state_dict(str(tmp_path / "c" / "iter_0000003"))
+    assert common["iteration"] == 3 and common["checkpoint_version"] == 3.0
+    assert (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "3"

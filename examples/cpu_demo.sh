@@ -19,7 +19,7 @@ stamp "1/4 data"
 
 stamp "2/4 SFT cold start (Megatron trainer) + export to HF"
 if [[ ! -f "$RUN/sft-hf/config.json" ]]; then
-  [[ -e "$RUN/sft/checkpoints/latest" ]] || megatron-rl sft "$CFG" trainer.lr=5e-5 "run.output_dir=$RUN/sft" \
+  [[ -e "$RUN/sft/checkpoints/latest_checkpointed_iteration.txt" ]] || megatron-rl sft "$CFG" trainer.lr=5e-5 "run.output_dir=$RUN/sft" \
       --data "$RUN/data/sft.jsonl" --batch-size 8 --epochs 1
   megatron-rl convert to-hf "$RUN/sft/checkpoints" "$RUN/sft-hf" --hf-config smollm2-135m
 fi

@@ -149,9 +149,9 @@ class Trainer:
         return self.reference.chunks
 
     def load(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        """Collective: resume from a checkpoint (a root -> its latest), resharded into this layout,
-        after checking its files against its manifest (`trainer.checkpoint_verify`; CheckpointError
-        names a damaged file). Returns the `extra` saved; `last_load` says what was restored."""
+        """Collective: resume from a checkpoint (a root -> the iteration its tracker file names),
+        resharded into this layout, after checking its files against its manifest
+        (`trainer.checkpoint_verify`; CheckpointError names a damaged file). Returns the `extra` saved; `last_load` says what was restored."""
         result = ckpt.load_checkpoint(path, self.model, self.optimizer, self.layout, load_optimizer,
                                       reference=self._saved_reference(),
                                       verify=self.config.trainer.checkpoint_verify)

@@ -318,9 +318,19 @@ class RunConfig:
     eval_samples: int = 4  # samples per evaluation problem: pass@1 is their mean, pass@k has k = eval_samples
     eval_temperature: float | None = None  # sampling temperature of the evaluation (null: rollout.temperature)
     eval_max_problems: int | None = None  # evaluate the first this many problems of data.eval_path (null: all)
+    # Where metrics lines go: jsonl (RUN_DIR/metrics.jsonl, always on: the run's record), tensorboard
+    # (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb, offline unless WANDB_MODE is set), mlflow (RUN_DIR/mlruns
+    # unless MLFLOW_TRACKING_URI is set); same metric names in all (docs/control.md "Loggers").
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["jsonl"])
+    logger_project: str = "megatron-rl"  # W&B project and MLflow experiment
+    logger_run_name: str | None = None  # W&B and MLflow run name (null: the name of output_dir)
+    logger_tags: list[str] = field(default_factory=list)  # W&B tags and MLflow tags
 
     def validate(self, key: str) -> None:
         check(self.updates >= 1, f"{key}.updates", "must be >= 1")
+        check("jsonl" in self.loggers, f"{key}.loggers",
+              "must include jsonl (metrics.jsonl is the run's record: resume and `megatron-rl plot` read it)")
+        check(len(set(self.loggers)) == len(self.loggers), f"{key}.loggers", f"names a logger twice: {self.loggers}")
         check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0 (0 = only at the end)")
         check(self.log_every >= 1, f"{key}.log_every", "must be >= 1")
         check(self.eval_every >= 0, f"{key}.eval_every", "must be >= 0 (0 = no evaluation)")

@@ -1,5 +1,6 @@
 """What a run writes about itself: RUN_DIR/metrics.jsonl (one line per `run.log_every` updates) and
-RUN_DIR/groups.jsonl (one event per finished group), and the progress line.
+RUN_DIR/groups.jsonl (one event per finished group), and the progress line. Each metrics line also goes
+to the other backends of `run.loggers` (loggers.py: TensorBoard, W&B, MLflow) under the same names.
 
 `window` collects the rollout side of the current metrics line (graded samples, idle times, grading
 failures); `train`, `batch` and `push` hold the last update's trainer metrics, batch size and push
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_rl.config import RunConfig
-from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, JsonlWriter, Progress, UpdateWindow
+from megatron_rl.control.loggers import open_loggers
+from megatron_rl.control.metrics import EVENTS_FILE, JsonlWriter, Progress, UpdateWindow
 
 PROGRESS_KEYS = {"reward/mean": "reward", "pass_rate": "pass", "length/mean": "len", "train/loss": "loss"}
 
@@ -22,7 +24,8 @@ class RunLog:
     def __init__(self, run: RunConfig, run_dir: Path):
         self.run = run
         self.window = UpdateWindow()
-        self.metrics = JsonlWriter(run_dir / METRICS_FILE)
+        self.record, self.loggers = open_loggers(run, run_dir)  # metrics.jsonl, and the others of run.loggers
+        self.metrics = self.record.writer
         self.events = JsonlWriter(run_dir / EVENTS_FILE)
         self.train: dict[str, Any] = {}  # the last update's trainer metrics; empty once its line is written
         self.batch: dict[str, Any] = {}
@@ -64,7 +67,9 @@ class RunLog:
         return True
 
     def write_row(self, row: dict[str, Any]) -> None:
-        self.metrics.write(row)
+        self.record.log(row, row["update"])
+        for logger in self.loggers:
+            logger.log(row, row["update"])
         self._last_row = row
 
     def show(self, progress: Progress, update: int) -> None:
@@ -73,5 +78,6 @@ class RunLog:
                                  if isinstance(row.get(k), (int, float))})
 
     def close(self) -> None:
-        self.metrics.close()
+        for logger in [self.record, *self.loggers]:
+            logger.close()
         self.events.close()

@@ -320,7 +320,7 @@ class RunConfig:
     eval_max_problems: int | None = None  # evaluate the first this many problems of data.eval_path (null: all)
     # Where metrics lines go: jsonl (RUN_DIR/metrics.jsonl, always on: the run's record), tensorboard
     # (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb, offline unless WANDB_MODE is set), mlflow (RUN_DIR/mlruns
-    # unless MLFLOW_TRACKING_URI is set); same metric names in all (docs/control.md "Loggers").
+    # unless MLFLOW_TRACKING_URI is set); same metric names in all (docs/tools.md "Loggers and curves").
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["jsonl"])
     logger_project: str = "megatron-rl"  # W&B project and MLflow experiment
     logger_run_name: str | None = None  # W&B and MLflow run name (null: the name of output_dir)

@@ -3,15 +3,15 @@ read back with each tool's own reader; a resumed run continues in the same place
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import RunConfig, config_from_dict
 from megatron_rl.config_tree import ConfigError
-from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
+from megatron_rl.control.metrics import METRICS_FILE
 from megatron_rl.control.run_log import RunLog
+from support.metric_logs import assert_same, jsonl_numbers, tensorboard_scalars
 
 
 def _row(update: int, scale: float = 1.0) -> dict:
@@ -33,16 +33,6 @@ def _write(run_dir: Path, loggers: list[str], rows: list[dict], cut_after: int |
     log.close()
 
 
-def _numbers(run_dir: Path) -> dict[str, dict[int, float]]:
-    """What metrics.jsonl holds as numbers, by name then update (the reference the backends must match)."""
-    out: dict[str, dict[int, float]] = {}
-    for row in read_jsonl(run_dir / METRICS_FILE):
-        for key, value in row.items():
-            if key not in ("update", "time") and isinstance(value, (int, float)):
-                out.setdefault(key, {})[row["update"]] = float(value)
-    return out
-
-
 @pytest.mark.parametrize("loggers, where", [(["tensorboard"], "run.loggers"), (["jsonl", "comet"], "run.loggers[1]"),
                                             (["jsonl", "wandb", "wandb"], "run.loggers")])
 def test_loggers_without_jsonl_unknown_or_twice_are_refused_naming_the_key(loggers, where):
@@ -59,30 +49,14 @@ def test_a_missing_package_is_one_line_naming_run_loggers_and_the_package(tmp_pa
     assert str(e.value).startswith("run.loggers: wandb needs the package 'wandb'") and "\n" not in str(e.value)
 
 
-def _tensorboard(run_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
-
-
-def _assert_same(backend: dict[str, dict[int, float]], reference: dict[str, dict[int, float]]) -> None:
-    assert sorted(backend) == sorted(reference)
-    for key, by_step in reference.items():
-        assert sorted(backend[key]) == sorted(by_step), key
-        for step, value in by_step.items():  # TensorBoard keeps float32
-            assert math.isclose(backend[key][step], value, rel_tol=1e-6), (key, step)
-
-
 def test_tensorboard_events_read_back_hold_the_metrics_lines_and_a_resume_replaces_redone_steps(tmp_path):
     _write(tmp_path, ["jsonl", "tensorboard"], [_row(u) for u in (1, 2, 3)])
-    _assert_same(_tensorboard(tmp_path), _numbers(tmp_path))
+    assert_same(tensorboard_scalars(tmp_path), jsonl_numbers(tmp_path))
     # killed after update 3, checkpoint at 2: the resumed process writes 3 again (other values) and 4
     _write(tmp_path, ["jsonl", "tensorboard"], [_row(3, scale=2.0), _row(4, scale=2.0)], cut_after=2)
-    reference = _numbers(tmp_path)
+    reference = jsonl_numbers(tmp_path)
     assert reference["reward/mean"] == {1: 0.1, 2: 0.2, 3: 0.6, 4: 0.8}
-    _assert_same(_tensorboard(tmp_path), reference)
+    assert_same(tensorboard_scalars(tmp_path), reference)
 
 
 def _wandb(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -105,7 +79,7 @@ def test_wandb_offline_run_holds_the_metrics_lines_and_a_resume_continues_its_id
     _write(tmp_path, ["jsonl", "wandb"], [_row(3)], cut_after=2)
     runs = sorted(p.name for p in (tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)  # one W&B run, resumed
-    _assert_same(_wandb(tmp_path), _numbers(tmp_path))
+    assert_same(_wandb(tmp_path), jsonl_numbers(tmp_path))
 
 
 def test_mlflow_run_read_back_by_its_client_holds_the_metrics_lines_and_a_resume_continues_it(tmp_path,
@@ -122,7 +96,7 @@ def test_mlflow_run_read_back_by_its_client_holds_the_metrics_lines_and_a_resume
     run_id = (tmp_path / "mlflow_run_id").read_text().strip()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == tmp_path.name
-    reference = _numbers(tmp_path)
+    reference = jsonl_numbers(tmp_path)
     assert mlflow_name("eval/pass@4") == "eval/pass_at_4" and set(run.data.metrics) == set(map(mlflow_name, reference))
     for key, by_step in reference.items():
         got = {m.step: m.value for m in client.get_metric_history(run_id, mlflow_name(key))}

@@ -31,6 +31,8 @@ COMMANDS: dict[str, Command] = {
     "plan": Command("rank map of a run on N nodes: roles, GPUs, per-GPU memory, srun task count", module="plan"),
     "plot": Command("plot the metrics of a run directory to PNG", module="plot"),
     "simulate": Command("discrete-event simulation of the async pipeline at scale", module="simulate"),
+    "experiment": Command("run an ablation experiment's arms x seeds, then its table and figure",
+                          module="experiment"),
     "config": Command("print the resolved config (defaults, YAML file and overrides)", module="config_cmd"),
     "doctor": Command("report the environment: versions, devices, CPU shims, sandbox", module="doctor"),
 }

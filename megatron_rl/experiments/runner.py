@@ -1,0 +1,131 @@
+"""Run every arm x seed of an experiment, one normal `megatron-rl train` after another, resumably.
+
+Per run (OUT/ARM/seedK, its merged config OUT/ARM/seedK.yaml):
+- finished (OUT/ARM/seedK/experiment_done.json for at least the updates asked): skipped;
+- a checkpoint there: continued with `megatron-rl train CONFIG --resume` (a stopped experiment goes on
+  where it stopped, and a finished run asked for more updates is extended);
+- otherwise started afresh (a run stopped before its first checkpoint starts over in an emptied directory).
+A finished run's metrics.jsonl is copied to the results directory and its checkpoints are deleted
+(2 GB each for SmolLM2-135M with Adam; --keep-checkpoints keeps them).
+
+The model and data are prepared once in PREP (default OUT/../_prepare, shared by the experiments):
+the CPU demo's data (examples/cpu_demo_data.py) and its SFT cold start + HF export, unless
+--base-model / --data name existing ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron_rl.experiments.spec import Experiment, ExperimentError, RunSpec, run_config
+
+DONE_FILE = "experiment_done.json"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.cli", *args]
+
+
+def _call(cmd: list[str], what: str) -> None:
+    print(f"[experiment] {what}: {' '.join(cmd)}", flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    status = subprocess.call(cmd, env=env)
+    if status != 0:
+        raise RuntimeError(f"{what} failed (exit status {status}); run the experiment command again to continue")
+
+
+def prepare(prep_dir: Path, base_config: Path, base_model: str | None, data_dir: str | None) -> tuple[str, Path]:
+    """(model for RL, data directory): the demo's data and SFT cold start, each made once."""
+    data = Path(data_dir) if data_dir else prep_dir / "data"
+    if not (data / "problems.jsonl").is_file():
+        if data_dir:
+            raise ExperimentError(f"--data {data_dir}: no problems.jsonl there")
+        _call([sys.executable, str(ROOT / "examples" / "cpu_demo_data.py"), str(data)], "data")
+    if base_model:
+        return base_model, data
+    hf_dir = prep_dir / "sft-hf"
+    if not (hf_dir / "config.json").is_file():
+        sft_dir = prep_dir / "sft"
+        if not (sft_dir / "checkpoints" / "latest").exists():  # the demo's cold start (examples/cpu_demo.sh)
+            _call(_cli("sft", str(base_config), "trainer.lr=5e-5", f"run.output_dir={sft_dir}",
+                       "--data", str(data / "sft.jsonl"), "--batch-size", "8", "--epochs", "1"), "SFT cold start")
+        _call(_cli("convert", "to-hf", str(sft_dir / "checkpoints"), str(hf_dir), "--hf-config", "smollm2-135m"),
+              "export to HF")
+    return str(hf_dir), data
+
+
+def plan_runs(exp: Experiment, out: Path, seeds: int, arms: list[str] | None) -> list[RunSpec]:
+    chosen = arms or list(exp.arms)
+    unknown = [a for a in chosen if a not in exp.arms]
+    if unknown:
+        raise ExperimentError(f"{exp.name}: no arm {unknown} (arms: {', '.join(exp.arms)})")
+    return [RunSpec(arm, seed, out / arm / f"seed{seed}", out / arm / f"seed{seed}.yaml")
+            for arm in chosen for seed in range(seeds)]
+
+
+def write_configs(exp: Experiment, runs: list[RunSpec], updates: int, model: str, data: Path,
+                  overrides: list[str]) -> None:
+    """Write every run's merged config and check it (with the overrides) before anything runs."""
+    from megatron_rl.config import ConfigError, load_config
+
+    for run in runs:
+        cfg = run_config(exp, run.arm, run.seed, run.run_dir, updates, model, data)
+        run.config_path.parent.mkdir(parents=True, exist_ok=True)
+        run.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        try:
+            load_config(run.config_path, overrides)
+        except ConfigError as e:
+            raise ExperimentError(f"arm {run.arm} ({exp.directory / 'arms' / (run.arm + '.yaml')}): {e}") from None
+
+
+def done_updates(run: RunSpec) -> int:
+    marker = run.run_dir / DONE_FILE
+    return int(json.loads(marker.read_text())["updates"]) if marker.is_file() else 0
+
+
+def _last_update(run_dir: Path) -> int:
+    from megatron_rl.control.metrics import read_jsonl
+
+    return max((int(r.get("update", 0)) for r in read_jsonl(run_dir / "metrics.jsonl")), default=0)
+
+
+def run_one(run: RunSpec, updates: int, overrides: list[str], keep_checkpoints: bool) -> str:
+    """Run (or continue) one arm x seed to `updates`; returns skipped / resumed / started."""
+    done = done_updates(run)
+    if done >= updates:
+        return "skipped"
+    resume = (run.run_dir / "checkpoints" / "latest").exists()
+    if done and not resume:
+        raise ExperimentError(f"{run.label}: finished at {done} updates and its checkpoints were deleted; "
+                              f"to extend it, delete {run.run_dir} (or run with --keep-checkpoints from the start)")
+    if not resume and run.run_dir.exists():  # stopped before its first checkpoint: nothing to keep
+        shutil.rmtree(run.run_dir)
+    extra = ["--resume"] if resume else ["run.resume=auto"]
+    t0 = time.time()
+    _call(_cli("train", str(run.config_path), *overrides, *extra), f"{run.label} ({'resume' if resume else 'start'})")
+    reached = _last_update(run.run_dir)
+    if reached < updates:
+        raise RuntimeError(f"{run.label}: the run ended at update {reached} of {updates} (stopped?); "
+                           f"run the experiment command again to continue it")
+    (run.run_dir / DONE_FILE).write_text(json.dumps({"updates": reached, "session_wall_s": time.time() - t0}))
+    if not keep_checkpoints:
+        shutil.rmtree(run.run_dir / "checkpoints", ignore_errors=True)
+    return "resumed" if resume else "started"
+
+
+def collect(runs: list[RunSpec], results_dir: Path) -> None:
+    """Copy each finished run's metrics.jsonl to RESULTS/ARM-seedK.jsonl (what the report reads)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        src = run.run_dir / "metrics.jsonl"
+        if done_updates(run) and src.is_file():
+            shutil.copyfile(src, results_dir / f"{run.label}.jsonl")

@@ -1,0 +1,117 @@
+"""`megatron-rl experiment`: the shipped experiments load and merge into valid configs; the runner skips,
+resumes and restarts runs as documented; the table's numbers equal window means computed by hand."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl.experiments import report, runner
+from megatron_rl.experiments.spec import ExperimentError, list_experiments, load_experiment
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "problems.jsonl").write_text("")
+    (d / "eval.jsonl").write_text("")
+    return d
+
+
+def test_issue_19_experiments_exist_and_every_arm_is_a_valid_config(tmp_path, data_dir):
+    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync"} <= set(list_experiments())
+    for name in list_experiments():
+        exp = load_experiment(name)
+        assert len(exp.arms) >= 2 and exp.seeds >= 2, name
+        runs = runner.plan_runs(exp, tmp_path / name, exp.seeds, None)
+        runner.write_configs(exp, runs, exp.updates, "smollm2-135m", data_dir, [])  # load_config checks each
+        assert len(runs) == len(exp.arms) * exp.seeds
+    # the arm's override wins over the base; the runner's per-run keys over both
+    exp = load_experiment("batch_vs_minibatch")
+    run = runner.plan_runs(exp, tmp_path / "b", 2, ["n_mini4"])[1]
+    runner.write_configs(exp, [run], 7, "MODEL", data_dir, [])
+    cfg = yaml.safe_load(run.config_path.read_text())
+    assert cfg["rollout"]["n_mini"] == 4 and cfg["rollout"]["n_batch"] == exp.base["rollout"]["n_batch"]
+    assert (cfg["run"]["updates"], cfg["run"]["output_dir"], cfg["trainer"]["model"]) == (7, str(run.run_dir), "MODEL")
+    assert cfg["data"]["seed"] == 1 and cfg["trainer"]["seed"] == exp.base["trainer"]["seed"] + 1
+
+
+def test_bad_arm_or_override_names_the_file(tmp_path, data_dir):
+    exp = load_experiment("adv_norm")
+    with pytest.raises(ExperimentError, match="no arm"):
+        runner.plan_runs(exp, tmp_path, 1, ["nope"])
+    exp.arms["group"] = {"algo": {"adv_norm": "sometimes"}}
+    with pytest.raises(ExperimentError, match=r"arms/group.yaml.*adv_norm"):
+        runner.write_configs(exp, runner.plan_runs(exp, tmp_path, 1, ["group"]), 2, "m", data_dir, [])
+    with pytest.raises(ExperimentError, match="no experiment"):
+        load_experiment("no_such_experiment")
+
+
+def test_runner_skips_finished_resumes_checkpointed_and_restarts_the_rest(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(cmd, what):  # what `megatron-rl train` leaves: metrics lines up to run.updates
+        calls.append(cmd)
+        run_dir = Path(yaml.safe_load(Path(cmd[cmd.index("train") + 1]).read_text())["run"]["output_dir"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints" / "step_1").mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"update": u}) + "\n" for u in (1, 2)))
+
+    monkeypatch.setattr(runner, "_call", fake_train)
+    exp = load_experiment("batch_vs_minibatch")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "problems.jsonl").write_text("")
+    fresh, resumed, finished = runner.plan_runs(exp, tmp_path / "out", 3, ["n_mini1"])
+    runner.write_configs(exp, [fresh, resumed, finished], 2, "m", data, [])
+    (fresh.run_dir / "stale.txt").parent.mkdir(parents=True)
+    (fresh.run_dir / "stale.txt").write_text("left by a run stopped before its first checkpoint")
+    (resumed.run_dir / "checkpoints").mkdir(parents=True)
+    (resumed.run_dir / "checkpoints" / "latest").write_text("step_1")
+    finished.run_dir.mkdir(parents=True)
+    (finished.run_dir / runner.DONE_FILE).write_text(json.dumps({"updates": 2}))
+
+    assert runner.run_one(fresh, 2, ["x.y=1"], keep_checkpoints=False) == "started"
+    assert calls[-1][-2:] == ["x.y=1", "run.resume=auto"] and not (fresh.run_dir / "stale.txt").exists()
+    assert not (fresh.run_dir / "checkpoints").exists() and runner.done_updates(fresh) == 2
+    assert runner.run_one(resumed, 2, [], keep_checkpoints=True) == "resumed"
+    assert calls[-1][-1] == "--resume" and (resumed.run_dir / "checkpoints").exists()
+    n = len(calls)
+    assert runner.run_one(finished, 2, [], keep_checkpoints=False) == "skipped" and len(calls) == n
+    with pytest.raises(ExperimentError, match="checkpoints were deleted"):  # extending needs them
+        runner.run_one(fresh, 5, [], keep_checkpoints=False)
+    runner.collect([fresh, resumed, finished], tmp_path / "results")
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["n_mini1-seed0.jsonl", "n_mini1-seed1.jsonl"]
+
+
+def _rows(rewards, rollouts, walls):
+    return [{"update": u, "reward/mean": r, "rollouts": n, "train/entropy": 0.1 * u, "wall_s": w}
+            for u, (r, n, w) in enumerate(zip(rewards, rollouts, walls), 1)]
+
+
+def test_table_and_figure_from_results(tmp_path):
+    exp = load_experiment("async_vs_sync")
+    exp.metrics = ["reward/mean", "train/entropy"]
+    res = tmp_path / "results"
+    res.mkdir()
+    seed0 = _rows([0.2, 0.4, 0.6, 0.8], [10, 30, 10, 30], [10, 20, 30, 40])
+    seed1 = _rows([0.4, 0.4, 0.9, 0.9], [20, 20, 20, 20], [15, 30, 45, 60])
+    for seed, rows in enumerate((seed0, seed1)):
+        (res / f"async-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # window = 4 // 4 = 1 update: the line itself; at update 2 with a 2-update window, sample-weighted
+    assert report.trailing_mean(seed0, "reward/mean", 2, 2) == pytest.approx((0.2 * 10 + 0.4 * 30) / 40)
+    assert report.trailing_mean(seed0, "train/entropy", 4, 2) == pytest.approx((0.3 + 0.4) / 2)  # unweighted
+    assert report.trailing_mean(seed0, "reward/mean", 25, 1, x="wall_s") == pytest.approx(0.4)  # update 2 at 20 s
+    assert report.time_to_target(seed0, "reward/mean", 0.7, 1) == 40 and report.time_to_target(seed1, "reward/mean", 0.7, 1) == 45
+    assert report.time_to_target(seed0, "reward/mean", 0.95, 1) is None
+    table_path, fig = report.write_report(exp, res, 4)
+    text = table_path.read_text()
+    # @4: seed means 0.8 and 0.9 -> 0.85 [0.8, 0.9]; time to 0.7: 40 and 45 s -> 42.5 [40, 45]
+    assert "| async | 2 | 0.3 [0.2, 0.4] | 0.4 [0.4, 0.4] | 0.75 [0.6, 0.9] | 0.85 [0.8, 0.9] |" in text
+    assert "| async | 2 | 42.5 [40, 45] |" in text
+    assert fig.is_file() and fig.stat().st_size > 0

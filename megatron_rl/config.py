@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_rl.config_data import DataConfig
 from megatron_rl.config_file import locate_error, read_config_file
 from megatron_rl.config_tree import ConfigError, apply_override, build, check
 from megatron_rl.length_stages import LengthStage, check_length_penalty, length_stages, parse_length_entry
@@ -272,30 +273,6 @@ class TrainerConfig:
         check(self.recompute in ("none", "selective", "full"), f"{key}.recompute", "must be none, selective or full")
         check(self.recompute_method in ("uniform", "block"), f"{key}.recompute_method", "must be uniform or block")
         check(self.recompute_num_layers >= 1, f"{key}.recompute_num_layers", "must be >= 1")
-
-
-@dataclass
-class DataConfig:
-    """Problem source (megatron_rl.data)."""
-
-    source: str = "reasoning_gym"  # reasoning_gym | jsonl | humaneval | champ
-    path: str | None = None  # JSONL file for source=jsonl
-    task: str = "basic_arithmetic"  # reasoning-gym task name
-    size: int = 1000
-    seed: int = 0
-    system_prompt: str = "magistral"  # template name in megatron_rl.data.prompts
-    # Curriculum: drop problems whose recent pass rate reached this (None = keep everything).
-    drop_solved_above: float | None = None
-    # Held-out evaluation set (JSONL, read as source=jsonl reads its path), evaluated every run.eval_every updates.
-    eval_path: str | None = None
-
-    def validate(self, key: str) -> None:
-        check(self.source in ("reasoning_gym", "jsonl", "humaneval", "champ"), f"{key}.source",
-               "must be one of reasoning_gym, jsonl, humaneval, champ")
-        check(self.source != "jsonl" or bool(self.path), f"{key}.path", "required when source is jsonl")
-        check(self.size >= 1, f"{key}.size", "must be >= 1")
-        check(self.drop_solved_above is None or 0 < self.drop_solved_above <= 1,
-               f"{key}.drop_solved_above", "must lie in (0, 1] or be null")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Typed trees of dataclasses built from plain data (YAML), with errors that name the dotted key.
 
 `build(cls, data, prefix)` checks every value against the field annotations (Literal, unions, lists,
-bool/int/float/str, nested dataclasses); unknown keys and wrong types raise `ConfigError`.
+mappings of str keys, bool/int/float/str, nested dataclasses); unknown keys and wrong types raise `ConfigError`.
 `apply_override(root, tree, "a.b=value")` applies a dotted command-line override to the plain tree.
 """
 from __future__ import annotations
@@ -49,6 +49,12 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         check(isinstance(value, list), key, f"must be a list, got {type(value).__name__}")
         (item,) = typing.get_args(annotation)
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # a mapping of named scalars (e.g. keyword arguments passed on to a library)
+        check(isinstance(value, dict), key, f"must be a mapping, got {type(value).__name__}")
+        _, item = typing.get_args(annotation)
+        for k in value:
+            check(isinstance(k, str), f"{key}.{k}", "mapping keys must be strings")
+        return {k: _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(annotation):
         return build(annotation, value, key)
     if annotation is bool:

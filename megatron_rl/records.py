@@ -20,6 +20,9 @@ class Problem:
     prompt: str  # user-visible problem statement
     task: dict[str, Any]  # e.g. {"kind": "math", "answer": "42"} or {"kind": "code", "tests": [...]}
     language: str | None = None  # ISO code of the problem's language when known
+    # The prompt as chat messages ({role, content}) when the data gave it so; `prompt` is then the last
+    # user message. None: the prompt is the one user message (plus the configured system prompt).
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass

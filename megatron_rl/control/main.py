@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:
     from megatron_rl.control.controller import Controller, RunFailed, stop_workers, write_summary
     from megatron_rl.control.mailbox import Mailbox
-    from megatron_rl.data import iter_problems, read_jsonl
+    from megatron_rl.data import iter_problems, read_problems
     from megatron_rl.train.hf_source import resolve_model
 
     controller = None
@@ -144,7 +144,7 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
     try:
         problems = list(iter_problems(cfg.data))
         tokenizer = resolve_model(cfg.trainer.model).tokenizer()
-        eval_problems = read_jsonl(cfg.data.eval_path) if cfg.run.eval_every else None  # same loader, same checks
+        eval_problems = read_problems(cfg.data.eval_path, cfg.data) if cfg.run.eval_every else None  # same checks
         controller = Controller(comm, cfg, layout, run_dir, problems, tokenizer, eval_problems)
         controller.install_signal_handlers()
         controller.wait_for_generators(cfg.generator.startup_timeout_s + 60)

@@ -10,19 +10,19 @@ from __future__ import annotations
 from megatron_rl.config import Config
 from megatron_rl.reward.sandbox import SandboxUnavailable
 
-# Sources whose tasks can be code: a JSONL file, and HumanEval (which the data loader refuses for
+# Sources whose tasks can be code: a JSONL or parquet file, and HumanEval (which the data loader refuses for
 # training with its own message). reasoning_gym and champ build math tasks only.
-_MAY_HOLD_CODE = ("jsonl", "humaneval")
+_MAY_HOLD_CODE = ("jsonl", "parquet", "humaneval")
 
 
 def code_languages(cfg: Config) -> list[str]:
     """Languages of the code tasks of the configured problem set and evaluation set (empty: none).
     Raises DataError on a problem set that cannot be loaded."""
-    from megatron_rl.data import iter_problems, read_jsonl
+    from megatron_rl.data import iter_problems, read_problems
 
     problems = list(iter_problems(cfg.data)) if cfg.data.source in _MAY_HOLD_CODE else []
     if cfg.run.eval_every:  # the evaluation set (data.eval_path) is graded by the same sandbox
-        problems += read_jsonl(cfg.data.eval_path)
+        problems += read_problems(cfg.data.eval_path, cfg.data)
     return sorted({p.task.get("language", "python") for p in problems if p.task.get("kind") == "code"})
 
 

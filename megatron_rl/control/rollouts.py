@@ -37,7 +37,7 @@ class RolloutFlow:
         self.updates_done = updates_done  # the trainer updates so far: the length stage in force
         self.budget = RolloutBudget(cfg.rollout, cfg.algo)
         self.queue = ProblemQueue(problems, cfg.data.seed, cfg.data.drop_solved_above)
-        self.template = get_template(cfg.data.system_prompt)
+        self.template = get_template(cfg.data)  # system prompt (name, text or file) and chat-template kwargs
         self.length_stages = parse_length_schedule(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
                                                    cfg.reward)
         self.gen_load: dict[int, int] = {r: 0 for r in layout.generator_ranks}  # samples out per generator

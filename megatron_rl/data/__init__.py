@@ -1,6 +1,7 @@
 """Problem sources and prompt templates."""
 from megatron_rl.data.prompts import PromptTemplate, build_messages, get_template, render_prompt_ids
-from megatron_rl.data.sources import DataError, iter_problems, read_jsonl, reasoning_gym_problems
+from megatron_rl.data.sources import (DataError, iter_problems, read_jsonl, read_parquet, read_problems,
+                                      reasoning_gym_problems)
 
 __all__ = ["PromptTemplate", "build_messages", "get_template", "render_prompt_ids", "DataError", "iter_problems",
-           "read_jsonl", "reasoning_gym_problems"]
+           "read_jsonl", "read_parquet", "read_problems", "reasoning_gym_problems"]

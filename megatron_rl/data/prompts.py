@@ -2,12 +2,18 @@
 
 A template is a system prompt plus an optional assistant prefix that is placed after the generation
 prompt (e.g. "<think>\n" to start the model inside its reasoning block). The prefix is part of the
-prompt tokens, so the response that the verifier grades is `prefix + completion`.
+prompt tokens, so the response that the verifier grades is `prefix + completion`. The `data` config
+picks one (`data.system_prompt`: a name below or the text itself; `data.system_prompt_file`) and
+adds keyword arguments for the tokenizer's chat template (`data.chat_template_kwargs`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from megatron_rl.config_data import DataConfig
 from megatron_rl.records import Problem
 
 
@@ -16,6 +22,7 @@ class PromptTemplate:
     name: str
     system: str | None
     assistant_prefix: str = ""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # for tokenizer.apply_chat_template
 
 
 _FORMAT = (
@@ -48,23 +55,51 @@ TEMPLATES: dict[str, PromptTemplate] = {
 }
 
 
-def get_template(name: str) -> PromptTemplate:
-    try:
-        return TEMPLATES[name]
-    except KeyError:
-        raise ValueError(f"unknown prompt template {name!r} (known: {', '.join(TEMPLATES)})") from None
+def get_template(spec: str | DataConfig) -> PromptTemplate:
+    """A template by name, the system prompt's own text (a string holding whitespace), or what a `data`
+    config asks for (its system_prompt, system_prompt_file and chat_template_kwargs)."""
+    if isinstance(spec, DataConfig):
+        return _configured(spec)
+    if spec in TEMPLATES:
+        return TEMPLATES[spec]
+    if any(c.isspace() for c in spec.strip()):  # a name never holds whitespace: this is the text
+        return PromptTemplate("text", spec)
+    raise ValueError(f"unknown prompt template {spec!r} (known: {', '.join(TEMPLATES)}; or give the system "
+                     f"prompt's text, or data.system_prompt_file)")
+
+
+def _configured(cfg: DataConfig) -> PromptTemplate:
+    template = get_template(cfg.system_prompt)
+    if cfg.system_prompt_file:
+        path = Path(cfg.system_prompt_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"data.system_prompt_file {str(path)!r}: cannot read it as UTF-8 text ({e})") from None
+        if not text.strip():
+            raise ValueError(f"data.system_prompt_file {str(path)!r} is empty")
+        template = dataclasses.replace(template, name=f"file:{path.name}", system=text.strip())
+    return dataclasses.replace(template, chat_template_kwargs=dict(cfg.chat_template_kwargs))
 
 
 def build_messages(problem: Problem, template: PromptTemplate) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": template.system}] if template.system else []
-    return messages + [{"role": "user", "content": problem.prompt}]
+    """The problem's chat messages (or its prompt as the user message), with the template's system
+    prompt first unless the problem brings its own."""
+    messages = [dict(m) for m in problem.messages] if problem.messages else [{"role": "user", "content": problem.prompt}]
+    if template.system and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": template.system})
+    return messages
 
 
 def render_prompt_ids(tokenizer, problem: Problem, template: PromptTemplate) -> list[int]:
     """Token ids of the chat-formatted prompt, ending with the template's assistant prefix."""
     messages = build_messages(problem, template)
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **template.chat_template_kwargs)
+    elif template.chat_template_kwargs:
+        raise ValueError(f"data.chat_template_kwargs {template.chat_template_kwargs} given, but the tokenizer "
+                         f"has no chat template to pass them to")
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
     return tokenizer(text + template.assistant_prefix, add_special_tokens=False).input_ids

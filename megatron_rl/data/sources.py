@@ -1,7 +1,10 @@
-"""Problem sources for training: JSONL files and reasoning-gym generators (shipped in its wheel).
+"""Problem sources for training: JSONL and parquet files, reasoning-gym generators (shipped in its wheel).
 
 Each source yields `records.Problem` with a task dict in the schema of `megatron_rl.reward.types`
-(validated here, so a bad problem set fails at load time with its line number, not mid-run).
+(validated here, so a bad problem set fails at load time with its line or row number, not mid-run).
+Rows become problems in `data.rows` under the column names of the `data` config. JSONL is read line by
+line here (exact JSON types, line numbers in errors); parquet through HF `datasets`, whose Arrow
+tables give a column that a row lacks as null (such nulls count as absent).
 """
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from megatron_rl.config import DataConfig
+from megatron_rl.config_data import DataConfig
+from megatron_rl.data.rows import DataError, problem_from_row
 from megatron_rl.records import Problem
 
-
-class DataError(ValueError):
-    """A problem set cannot be read or a problem does not follow the task schema."""
+__all__ = ["DataError", "iter_problems", "read_jsonl", "read_parquet", "read_problems", "reasoning_gym_problems",
+           "utf8_lines"]
 
 
 def _validated(problem: Problem, where: str) -> Problem:
@@ -39,8 +42,10 @@ def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
                                 f"{e.start + 1}); save the file as UTF-8") from None
 
 
-def read_jsonl(path: str | Path) -> list[Problem]:
-    """Lines of {"id"?, "prompt" | "problem", "task" | ("answer" | "tests", "kind"?), "language"?}."""
+def read_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
+    """Lines of {"id"?, prompt, "task" | (answer | tests, "kind"?, language?), "lang"?, ...} under the
+    column names of `cfg` (default: prompt or problem, answer, tests, language)."""
+    cfg = cfg if cfg is not None else DataConfig()
     path = Path(path)
     if not path.is_file():
         raise DataError(f"problem file not found: {path}")
@@ -55,21 +60,50 @@ def read_jsonl(path: str | Path) -> list[Problem]:
             raise DataError(f"{where}: invalid JSON: {e}") from None
         if not isinstance(row, dict):
             raise DataError(f"{where}: each line must be a JSON object")
-        prompt = row.get("prompt", row.get("problem"))
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(f"{where}: missing 'prompt' (or 'problem') text")
-        task = row.get("task")
-        if task is None:
-            kind = row.get("kind", "code" if "tests" in row else "math")
-            task = {"kind": kind, "problem": prompt}
-            task.update({k: row[k] for k in ("answer", "tests", "language") if k in row})
-            if kind == "math" and "answer" in task:
-                task["answer"] = str(task["answer"])
-        problems.append(_validated(Problem(str(row.get("id", f"{path.stem}-{lineno}")), prompt, task,
-                                           row.get("lang")), where))
+        problems.append(problem_from_row(row, where, f"{path.stem}-{lineno}", cfg))
     if not problems:
         raise DataError(f"{path}: no problems")
     return problems
+
+
+def read_parquet(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
+    """Rows of a parquet file (or of a glob of them, file by file: each its own schema) through HF
+    datasets, under `cfg`'s column names."""
+    import glob
+
+    cfg = cfg if cfg is not None else DataConfig()
+    files = sorted(glob.glob(str(path))) if any(c in str(path) for c in "*?[") else [str(path)]
+    if not files or not all(Path(f).is_file() for f in files):
+        raise DataError(f"problem file not found: {path}")
+    problems = []
+    for file in files:
+        rows = _parquet_rows(file)
+        problems += [problem_from_row({k: v for k, v in row.items() if v is not None}, f"{file}: row {i}",
+                                      f"{Path(file).stem}-{i}", cfg) for i, row in enumerate(rows)]
+    if not problems:
+        raise DataError(f"{path}: no problems")
+    return problems
+
+
+def _parquet_rows(file: str) -> list[dict]:
+    import tempfile
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:  # a private cache: nothing is left in ~/.cache/huggingface
+        with tempfile.TemporaryDirectory(prefix="megatron_rl_parquet_") as cache:
+            return datasets.Dataset.from_parquet(file, cache_dir=cache, keep_in_memory=True).to_list()
+    except Exception as e:  # pyarrow/datasets errors on a file that is no parquet
+        cause = e.__cause__ or e  # datasets wraps the reader's error in DatasetGenerationError
+        why = (str(cause).splitlines() or [""])[0][:200]
+        raise DataError(f"{file}: cannot read as parquet: {type(cause).__name__}: {why}") from None
+
+
+def read_problems(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
+    """A JSONL or parquet problem file, told apart by its suffix (.parquet, or a glob of them)."""
+    reader = read_parquet if str(path).endswith(".parquet") else read_jsonl
+    return reader(path, cfg)
 
 
 def reasoning_gym_problems(task: str, size: int, seed: int, **kwargs) -> list[Problem]:
@@ -89,7 +123,9 @@ def reasoning_gym_problems(task: str, size: int, seed: int, **kwargs) -> list[Pr
 def iter_problems(cfg: DataConfig) -> Iterator[Problem]:
     """The configured problem set, in a fixed order (the controller keeps the cursor)."""
     if cfg.source == "jsonl":
-        yield from read_jsonl(cfg.path)
+        yield from read_jsonl(cfg.path, cfg)
+    elif cfg.source == "parquet":
+        yield from read_parquet(cfg.path, cfg)
     elif cfg.source == "reasoning_gym":
         yield from reasoning_gym_problems(cfg.task, cfg.size, cfg.seed)
     elif cfg.source == "champ":

@@ -1,13 +1,16 @@
 """The asynchronous rollout budget: what is in flight, which groups are complete, what to train on.
 
 Pure bookkeeping (no MPI, no I/O) so every rule is unit-tested:
-- keep `n_async` sequences in flight (groups of G samples of one problem are issued together);
+- keep up to `n_async` sequences in flight (groups of G samples of one problem are issued together),
+  and admit a group only if it can be consumed within the staleness bound (`free_group_slots`,
+  AReaL-style admission: the batches already committed ahead of it are counted);
 - a group is complete when all G samples are graded; it gets group-centred advantages, or is
   dropped when its rewards are all equal (non-diverse) and its problem is counted as such;
 - a sample whose grading failed for good has no reward: its group is dropped whole once complete;
 - `take_batch` hands the trainer exactly `n_batch` sequences once that many are ready, after applying
-  the staleness bound (groups whose oldest token is more than `max_staleness` versions behind the
-  trainer are dropped and their problem re-queued, or kept for importance re-weighting);
+  the staleness bound to what admission could not prevent (a long sample overtaken by shorter ones):
+  a group whose token-mean staleness exceeds `max_staleness` is dropped and its problem re-queued
+  (stale_policy=drop), or kept for importance re-weighting (reweight);
 - everything needed to resume (pending problems, partial groups, ready sequences) is exported by
   `state_dict` so a restart loses and duplicates nothing.
 """
@@ -70,6 +73,21 @@ class BudgetCounters:
     groups_dropped_grading: int = 0  # a sample's grading failed for good (budget.add_failed)
     sequences_trained: int = 0
     batches: int = 0
+    # lengths of all graded samples and of the trained ones: a staleness rule that drops long samples
+    # (the ones that go stale) shows up as trained / completed mean length < 1 (`length_stats`)
+    sequences_completed: int = 0
+    tokens_completed: int = 0
+    tokens_trained: int = 0
+
+
+def token_staleness(rollouts, trainer_version: int) -> float:
+    """Mean over the completion tokens of `rollouts` of (trainer_version - the version that sampled the
+    token): the staleness the loss sees, token by token (in-flight updates make a sequence partly fresh;
+    each token's ratio is taken against its own behaviour logprob)."""
+    tokens = sum(len(r.weight_versions) for r in rollouts)
+    if not tokens:
+        return 0.0
+    return trainer_version - sum(sum(r.weight_versions) for r in rollouts) / tokens
 
 
 class RolloutBudget:
@@ -81,6 +99,8 @@ class RolloutBudget:
         self.counters = BudgetCounters()
         self._problems: dict[str, Problem] = {}  # problem of every group with ready sequences
         self._group_serial = 0
+        self.next_version = 0  # policy version of the next batch taken (trainer version after the last one)
+        self.served_version = 0  # weights new samples start with (`weights_served`)
 
     # ------------------------------------------------------------------ issuing
     @property
@@ -88,14 +108,38 @@ class RolloutBudget:
         """Sequences issued and not yet graded."""
         return sum(self.cfg.group_size - len(g.rollouts) - len(g.failed) for g in self.groups.values())
 
-    def free_group_slots(self) -> int:
-        """How many new groups fit in the n_async budget right now.
+    @property
+    def committed(self) -> int:
+        """Samples started and not yet consumed: every sample of an incomplete group, and the ready ones."""
+        return self.cfg.group_size * len(self.groups) + len(self.ready)
 
-        With stale_policy=drop, no new group starts while (max_staleness + 1) batches are already
-        waiting for the trainer: anything sampled now would be dropped as stale before its turn."""
-        if self.cfg.stale_policy == "drop" and len(self.ready) >= self.cfg.n_batch * (self.cfg.max_staleness + 1):
-            return 0
-        return max(0, (self.cfg.n_async - self.in_flight) // self.cfg.group_size)
+    @property
+    def batches_behind(self) -> int:
+        """Batches taken whose weights new samples do not get yet (one while the trainer trains on it or
+        pushes it, 0 once the generators serve its result)."""
+        return max(0, self.next_version - self.served_version)
+
+    def weights_served(self, version: int) -> None:
+        """Every live generator now serves `version`: samples started from now on begin with it."""
+        self.served_version = version
+
+    def free_group_slots(self) -> int:
+        """How many new groups to start now: within n_async in flight, and admitted by the staleness bound.
+
+        Admission (AReaL-style): batches are consumed in order, n_batch samples each, so a sample with c
+        committed samples ahead of it goes at the latest into the batch trained at version
+        next_version + c // n_batch, and its first token is sampled by served_version. It is started only
+        if that lag stays within max_staleness: c + G <= (max_staleness + 1 - batches_behind) * n_batch.
+        Only samples overtaken by later-started shorter ones can then exceed the bound (take_batch).
+        One exception keeps the run going: while the trainer waits (nothing behind) and fewer than
+        n_batch samples are committed, a group is started whatever the bound (G need not divide n_batch)."""
+        g, n_batch = self.cfg.group_size, self.cfg.n_batch
+        by_flight = (self.cfg.n_async - self.in_flight) // g
+        room = (self.cfg.max_staleness + 1 - self.batches_behind) * n_batch - self.committed
+        by_staleness = max(0, room) // g
+        if self.batches_behind == 0 and self.committed < n_batch:
+            by_staleness = max(by_staleness, 1)
+        return max(0, min(by_flight, by_staleness))
 
     def start_group(self, problem: Problem) -> PendingGroup:
         """A new group of `group_size` samples of `problem` (indices 0 .. G-1), counted in flight."""
@@ -120,6 +164,8 @@ class RolloutBudget:
         if rollout.reward is None:
             raise ValueError(f"rollout {rollout.group_id}/{rollout.sample_index} has no reward")
         group.rollouts[rollout.sample_index] = rollout
+        self.counters.sequences_completed += 1
+        self.counters.tokens_completed += len(rollout.completion_ids)
         if not self._close(group):
             return None
         if group.failed:
@@ -158,38 +204,62 @@ class RolloutBudget:
 
     # ------------------------------------------------------------------ batching
     def take_batch(self, trainer_version: int) -> Batch | None:
-        """n_batch ready sequences as a Batch, oldest first; None while fewer are ready."""
-        self._drop_stale_groups(trainer_version)
+        """n_batch ready sequences as a Batch, oldest first; None while fewer are ready.
+
+        Oldest by tokens: the groups whose tokens' mean version is lowest go first (ties: in the order
+        they completed), so a group overtaken by later-started shorter ones is trained before it
+        crosses the bound rather than dropped; staleness then spreads evenly over the batches."""
+        waiting = self._waiting_groups()
+        self._drop_stale_groups(trainer_version, waiting)
         if len(self.ready) < self.cfg.n_batch:
             return None
+        lag = {gid: token_staleness(rs, trainer_version) for gid, rs in waiting.items()}
+        self.ready = deque(sorted(self.ready, key=lambda r: -lag[r.group_id]))  # stable: ties keep their order
         chosen = [self.ready.popleft() for _ in range(self.cfg.n_batch)]
         waiting = {r.group_id for r in self.ready}
         for group_id in {c.group_id for c in chosen} - waiting:
             self._problems.pop(group_id, None)
         self.counters.sequences_trained += len(chosen)
+        self.counters.tokens_trained += sum(len(c.rollout.completion_ids) for c in chosen)
         self.counters.batches += 1
+        self.next_version = trainer_version + 1
         return Batch([c.to_train_sequence() for c in chosen], n_mini=self.cfg.n_mini,
                      policy_version=trainer_version)
 
-    def _drop_stale_groups(self, trainer_version: int) -> None:
-        """stale_policy=drop: remove groups whose oldest token is too many versions behind. A group
-        none of whose samples was trained yet is re-queued, so its problem is sampled again fresh."""
+    def _waiting_groups(self) -> dict[str, list[Rollout]]:
+        """The ready samples by group (a group split across batches: the samples not trained yet)."""
+        waiting: dict[str, list[Rollout]] = {}
+        for r in self.ready:
+            waiting.setdefault(r.group_id, []).append(r.rollout)
+        return waiting
+
+    def _drop_stale_groups(self, trainer_version: int, waiting: dict[str, list[Rollout]]) -> None:
+        """stale_policy=drop: remove groups whose token-mean staleness (`token_staleness` over the group's
+        waiting samples) exceeds max_staleness. A group none of whose samples was trained yet is re-queued,
+        so its problem is sampled again fresh."""
         if self.cfg.stale_policy != "drop":
             return
-        stale = {r.group_id for r in self.ready
-                 if trainer_version - r.rollout.oldest_version > self.cfg.max_staleness}
+        stale = {gid for gid, rs in waiting.items() if token_staleness(rs, trainer_version) > self.cfg.max_staleness}
         if not stale:
             return
-        remaining: dict[str, int] = {}
-        for r in self.ready:
-            if r.group_id in stale:
-                remaining[r.group_id] = remaining.get(r.group_id, 0) + 1
         self.ready = deque(r for r in self.ready if r.group_id not in stale)
         self.counters.groups_dropped_stale += len(stale)
-        for group_id, count in remaining.items():
+        for group_id in stale:
             problem = self._problems.pop(group_id)
-            if count == self.cfg.group_size:
+            if len(waiting[group_id]) == self.cfg.group_size:
                 self.requeue.append(problem)
+
+    def length_stats(self) -> dict[str, float]:
+        """Mean completion length of the trained samples against all graded ones, since the start: a
+        ratio below 1 means the bound (or the filter) keeps short samples rather than long ones."""
+        c, out = self.counters, {}
+        if c.sequences_completed:
+            out["length/completed_mean"] = c.tokens_completed / c.sequences_completed
+        if c.sequences_trained and c.tokens_trained:
+            out["length/trained_mean"] = c.tokens_trained / c.sequences_trained
+        if len(out) == 2:
+            out["length/trained_vs_completed"] = out["length/trained_mean"] / out["length/completed_mean"]
+        return out
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
@@ -201,6 +271,7 @@ class RolloutBudget:
             "problems": {k: asdict(p) for k, p in self._problems.items()},
             "counters": asdict(self.counters),
             "group_serial": self._group_serial,
+            "next_version": self.next_version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -211,4 +282,6 @@ class RolloutBudget:
         self._problems = {k: Problem(**p) for k, p in state["problems"].items()}
         self.counters = BudgetCounters(**state["counters"])
         self._group_serial = state["group_serial"]
+        # a resume pushes the trainer's weights before samples of the next batch are generated
+        self.next_version = self.served_version = state.get("next_version", 0)
 

@@ -20,7 +20,7 @@ from typing import Any
 from megatron_rl.config import Config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
-from megatron_rl.control.metrics import Progress, stage_metrics
+from megatron_rl.control.metrics import Progress, batch_stats, stage_metrics
 from megatron_rl.control.protocol import (FinishUpdate, GeneratorStatus, Graded, LoadRequest, Loaded, Paused,
                                           PauseForUpdate, Pushed, PushRequest, Resumed, RolloutsReport, RunFailed,
                                           SaveRequest, Saved, Stop, Trained, TrainRequest, WorkerFailure)
@@ -89,8 +89,7 @@ class Controller:
             self.log.window.trainer_idle_s += time.time() - self._idle_since
             self._idle_since = None
         self.mailbox.send(self.layout.first_trainer, TrainRequest(batch))  # it shares it with the others
-        self.log.batch = {"batch/sequences": len(batch.sequences),
-                          "batch/tokens": sum(s.completion_len for s in batch.sequences)}
+        self.log.batch = batch_stats(batch)
         self.training = True
 
     def _on_trained(self, metrics: dict[str, Any]) -> None:
@@ -125,6 +124,8 @@ class Controller:
         else:  # IDLE: every generator stamped the new version and continues
             # A generator restarted during the update serves its disk weights: push again.
             self.push_needed = any(self.gen_status[r].version != self.version for r in self.flow.alive_generators())
+            if not self.push_needed:
+                self.flow.budget.weights_served(self.version)  # admission: new samples start on these weights
             self._idle_since = time.time()
             self._update_finished = True
 
@@ -169,6 +170,7 @@ class Controller:
                  "groups/dropped_stale": c.groups_dropped_stale, "groups/completed": c.groups_completed,
                  "groups/dropped_grading": c.groups_dropped_grading,
                  "in_flight": self.flow.budget.in_flight, "ready": len(self.flow.budget.ready)}
+        state |= self.flow.budget.length_stats()  # trained vs all graded samples: the staleness rule's length bias
         return self.log.write_line(self.updates_done, self.version, state | stage_metrics(self.flow.stage()),
                                    hold=self._hold_for_eval)
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from megatron_rl.algo.mismatch import PREFIX as MISMATCH_PREFIX
 from megatron_rl.config import LengthStage, RunConfig
-from megatron_rl.records import Rollout
+from megatron_rl.records import Batch, Rollout
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "groups.jsonl"
@@ -88,6 +88,17 @@ def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str
         out["staleness/mean"] = sum(stale) / len(stale)
         out["staleness/max"] = float(max(stale))
     out["versions_per_sequence/mean"] = sum(len(set(r.weight_versions)) for r in rs) / n
+    return out
+
+
+def batch_stats(batch: Batch) -> dict[str, float]:
+    """Size of a trained batch and the staleness of its tokens (policy version - the version that
+    sampled each token, as the loss sees it): mean over the batch's tokens and the largest."""
+    seqs = batch.sequences
+    lags = [batch.policy_version - v for s in seqs for v in s.weight_versions]
+    out = {"batch/sequences": len(seqs), "batch/tokens": sum(s.completion_len for s in seqs)}
+    if lags:
+        out |= {"batch/staleness_mean": sum(lags) / len(lags), "batch/staleness_max": max(lags)}
     return out
 
 

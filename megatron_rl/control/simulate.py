@@ -5,9 +5,12 @@ Model (the rules of `control/controller.py` + `control/budget.py`, with measured
   `tok_s(c) / c` tokens/s (`DecodeModel`: `peak * c / (c + c_half)` or a measured table); admitting
   a sequence stalls its generator's decoding for `prefill_s`;
 - async: groups of G samples are issued to the least-loaded generator whenever G slots of the
-  `n_async` budget are free; a finished group is dropped as non-diverse with `drop_prob`, else its
-  samples become ready; when the trainer is idle the groups whose oldest token is more than
-  `max_staleness` versions behind are dropped, and once `n_batch` are ready it trains
+  `n_async` budget are free and the staleness admission of `control/budget.py` lets them in
+  (committed samples + G <= (max_staleness + 1 - batches behind) * n_batch); a finished group is
+  dropped as non-diverse with `drop_prob`, else its samples become ready; when the trainer is idle the
+  groups whose token-mean staleness exceeds `max_staleness` are dropped (each token carries the
+  version it was decoded under: a push mid-sequence makes the rest of it fresh), and once `n_batch`
+  are ready it trains on the groups with the oldest tokens first
   (`train_a_s + n_mini * train_step_s + train_b_s * tokens`), then pushes the weights: every
   generator pauses `push_s` (in-flight sequences keep going afterwards, on the new version);
 - sync: issue enough groups for a batch, wait for all of them (the longest dominates), train, push.
@@ -84,6 +87,8 @@ class SimResult:
     staleness_p50: float
     staleness_p95: float
     staleness_max: int
+    token_staleness_mean: float  # the same per token, as the loss sees it (the admission/drop rule)
+    length_ratio: float  # mean completion length: trained / all finished in the window (1: no length bias)
     versions_per_seq_mean: float
     versions_per_seq_max: int
     dropped_frac: float  # of finished sequences: non-diverse + stale
@@ -109,6 +114,16 @@ class _Seq:
     finish_t: float = -1.0
     finish_version: int = -1
     trained_version: int | None = None  # trainer version when it was put in a batch
+    v_start: float = 0.0  # its generator's virtual time at admission (tokens decoded = v - v_start)
+    version: int = 0  # the version decoding its next tokens
+    marked: float = 0.0  # tokens decoded before the last push it saw
+    version_sum: float = 0.0  # sum over its tokens decoded up to `marked` of their version
+
+    def mark(self, v_now: float, version: int) -> None:
+        """A push: the tokens decoded since the last mark were decoded by `self.version`."""
+        done = min(float(self.length), max(self.marked, v_now - self.v_start))
+        self.version_sum += (done - self.marked) * self.version
+        self.marked, self.version = done, version
 
 
 class _Gen:
@@ -199,7 +214,7 @@ class _Sim:
                                "without a staleness bound (set max_staleness) or too many updates were asked")
         ids = []
         for _ in range(p.group):
-            s = _Seq(i, gid, self.draw(), self.now, version)
+            s = _Seq(i, gid, self.draw(), self.now, version, v_start=g.v, version=version)
             sid = len(self.seqs)
             self.seqs.append(s)
             heapq.heappush(g.heap, (g.v + s.length, sid))
@@ -214,13 +229,22 @@ class _Sim:
     def _fill(self) -> None:
         p = self.p
         if self.mode == "async":
-            # As control/budget.py: no new group while (max_staleness + 1) batches already wait.
-            cap = None if p.max_staleness is None else p.n_batch * (p.max_staleness + 1)
-            while p.n_async - self.in_flight >= p.group and (cap is None or len(self.ready) < cap):
+            while p.n_async - self.in_flight >= p.group and self._admits():
                 self._start_group()
         elif self.in_flight == 0 and self.phase == "idle" and len(self.ready) < p.n_batch:
             for _ in range(math.ceil((p.n_batch - len(self.ready)) / p.group)):
                 self._start_group()
+
+    def _admits(self) -> bool:
+        """RolloutBudget.free_group_slots: one more group fits the committed-batches bound."""
+        p = self.p
+        if p.max_staleness is None:
+            return True
+        behind = self.version + (self.phase == "training") - self.gen_version
+        committed = p.group * len(self.groups) + len(self.ready)
+        if behind == 0 and committed < p.n_batch:
+            return True
+        return committed + p.group <= (p.max_staleness + 1 - behind) * p.n_batch
 
     def _on_finish(self, i: int) -> None:
         g = self.gens[i]
@@ -229,6 +253,7 @@ class _Sim:
             _, sid = heapq.heappop(g.heap)
             s = self.seqs[sid]
             s.finish_t, s.finish_version = self.now, self.gen_version
+            s.mark(float(s.length) + s.v_start, s.version)
             self.in_flight -= 1
             self.finished += 1
             self.finished_tokens += s.length
@@ -241,27 +266,26 @@ class _Sim:
                     self.ready.extend(members)
         self._reschedule(i)
 
-    def _drop_stale(self) -> None:
-        bound = self.p.max_staleness
-        if bound is None:
-            return
-        oldest: dict[int, int] = {}
+    def _drop_stale_and_order(self) -> None:
+        """As RolloutBudget.take_batch: drop groups whose token-mean lag exceeds the bound, oldest first."""
+        tokens: dict[int, list[float]] = {}  # group -> [tokens, sum of their versions]
         for sid in self.ready:
-            s = self.seqs[sid]
-            oldest[s.group] = min(oldest.get(s.group, s.start_version), s.start_version)
-        stale = {gid for gid, v in oldest.items() if self.version - v > bound}
-        if stale:
-            keep = [sid for sid in self.ready if self.seqs[sid].group not in stale]
-            n = len(self.ready) - len(keep)
-            self.dropped += n
-            self.dropped_stale += n
+            t = tokens.setdefault(self.seqs[sid].group, [0.0, 0.0])
+            t[0], t[1] = t[0] + self.seqs[sid].length, t[1] + self.seqs[sid].version_sum
+        lag = {gid: self.version - vs / n for gid, (n, vs) in tokens.items()}
+        if self.p.max_staleness is not None:
+            keep = [sid for sid in self.ready if lag[self.seqs[sid].group] <= self.p.max_staleness]
+            self.dropped_stale += len(self.ready) - len(keep)
+            self.dropped += len(self.ready) - len(keep)
             self.ready = keep
+        if self.mode == "async":
+            self.ready.sort(key=lambda sid: -lag[self.seqs[sid].group])
 
     def _try_train(self) -> None:
         p = self.p
         if self.phase != "idle":
             return
-        self._drop_stale()
+        self._drop_stale_and_order()
         if len(self.ready) < p.n_batch:
             return
         batch, self.ready = self.ready[:p.n_batch], self.ready[p.n_batch:]
@@ -287,6 +311,8 @@ class _Sim:
     def _on_pushed(self) -> None:
         for g in self.gens:
             self._advance(g)  # tokens decoded so far belong to the old version
+            for _, sid in g.heap:
+                self.seqs[sid].mark(g.v, self.version)
         self.gen_version = self.version
         self.pushing = False
         self.phase = "idle"
@@ -330,6 +356,9 @@ class _Sim:
         dur = b["t"] - a["t"]
         trained = [sid for u, ids, _ in self.batches if u > p.warmup_updates for sid in ids]
         stale = [self.seqs[sid].trained_version - self.seqs[sid].start_version for sid in trained]
+        token_lag = sum(self.seqs[sid].trained_version * self.seqs[sid].length - self.seqs[sid].version_sum
+                        for sid in trained)
+        trained_len = sum(self.seqs[sid].length for sid in trained)
         versions = [self.seqs[sid].finish_version - self.seqs[sid].start_version + 1 for sid in trained]
         done = [s for s in self.seqs if s.finish_t > a["t"]]
         n_fin = b["finished"] - a["finished"]
@@ -342,6 +371,8 @@ class _Sim:
             generated_tokens_per_s=(b["tokens"] - a["tokens"]) / dur,
             staleness_mean=sum(stale) / len(stale), staleness_p50=_percentile(stale, 0.5),
             staleness_p95=_percentile(stale, 0.95), staleness_max=max(stale),
+            token_staleness_mean=token_lag / max(1, trained_len),
+            length_ratio=(trained_len / len(trained)) / max(1e-9, sum(s.length for s in done) / max(1, len(done))),
             versions_per_seq_mean=sum(versions) / len(versions), versions_per_seq_max=max(versions),
             dropped_frac=(b["dropped"] - a["dropped"]) / max(1, n_fin),
             dropped_stale_frac=(b["stale"] - a["stale"]) / max(1, n_fin),

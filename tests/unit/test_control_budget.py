@@ -4,7 +4,7 @@ import random
 import pytest
 
 from megatron_rl.config import AlgoConfig, RolloutConfig
-from megatron_rl.control.budget import RolloutBudget
+from megatron_rl.control.budget import RolloutBudget, token_staleness
 from megatron_rl.control.problems import ProblemQueue, max_new_tokens_at, parse_length_schedule
 from megatron_rl.records import Problem, Rollout
 
@@ -123,6 +123,7 @@ def test_state_round_trip_resumes_exactly():
     assert clone.outstanding_samples() == \
            [(groups[2], i) for i in (0, 2, 3)]
     assert clone.take_batch(0).sequences == b.take_batch(0).sequences
+    assert clone.next_version == b.next_version == 1 and clone.batches_behind == b.batches_behind == 1
     assert clone.start_group(_problem(9)).group_id == b.start_group(_problem(9)).group_id
 
 
@@ -148,14 +149,124 @@ def test_length_schedule():
         parse_length_schedule(["abc"], 1)
 
 
-def test_no_new_groups_while_enough_batches_wait_to_go_stale():
-    b = _budget(n_batch=4, n_mini=1, max_staleness=1, n_async=8)
-    for i in range(2):
-        _complete(b, _problem(i), [0, 1, 0, 1])
-    assert len(b.ready) == 8 and b.in_flight == 0 and b.free_group_slots() == 0
-    b.take_batch(0)
-    assert b.free_group_slots() == 2
-    reweight = _budget(n_batch=4, n_mini=1, max_staleness=1, n_async=8, stale_policy="reweight")
+def test_admission_counts_the_batches_committed_ahead():
+    # B=4, G=2, max_staleness=1: (1 + 1) batches of 4 may be committed while the generators are current
+    b = _budget(group_size=2, n_batch=4, n_mini=1, max_staleness=1, n_async=100)
+    assert b.free_group_slots() == 4
+    groups = [b.start_group(_problem(i)).group_id for i in range(4)]
+    assert b.committed == 8 and b.free_group_slots() == 0
+    for g in groups[:2]:
+        for i in range(2):
+            b.add_graded(_rollout(g, i, float(i)))
+    assert b.take_batch(0) is not None and b.committed == 4
+    # the batch is with the trainer: one batch behind, so only (1 + 1 - 1) * 4 may be committed
+    assert b.batches_behind == 1 and b.free_group_slots() == 0
+    b.weights_served(1)
+    assert b.batches_behind == 0 and b.free_group_slots() == 2
+    assert _budget(group_size=2, n_batch=4, n_mini=1, max_staleness=1, n_async=6).free_group_slots() == 3
+
+
+def test_admission_starts_a_group_while_the_trainer_waits_for_a_batch():
+    b = _budget(group_size=3, n_batch=4, n_mini=1, max_staleness=0, n_async=12)
+    assert b.free_group_slots() == 1  # room for 4 samples, a group of 3 fits
+    b.start_group(_problem(0))
+    assert b.free_group_slots() == 1  # 3 committed < n_batch: the batch could never form otherwise
+    b.start_group(_problem(1))
+    assert b.free_group_slots() == 0
+
+
+def _fifo_run(max_staleness: int, n_batch: int, group: int, n_async: int, steps: int, seed: int):
+    """Drive the budget like the controller, samples finishing in start order; return every trained
+    sample's lag (batch version - the version it started on), the groups started and the drops."""
+    rng = random.Random(seed)
+    b = _budget(group_size=group, n_batch=n_batch, n_mini=1, max_staleness=max_staleness, n_async=n_async)
+    started: list[tuple[str, int]] = []  # (group id, weights served when it started), in start order
+    version, training, lags, serial = 0, False, [], 0
+    for _ in range(steps):
+        for _ in range(b.free_group_slots()):
+            serial += 1
+            started.append((b.start_group(_problem(serial)).group_id, b.served_version))
+        if started and rng.random() < 0.6:  # the oldest started group finishes
+            gid, v = started.pop(0)
+            for i in range(group):
+                b.add_graded(_rollout(gid, i, float(i), version=v))
+        if training and rng.random() < 0.3:  # the update is trained and pushed
+            version, training = version + 1, False
+            b.weights_served(version)
+        if not training:
+            batch = b.take_batch(version)
+            if batch is not None:
+                training = True
+                lags += [batch.policy_version - min(s.weight_versions) for s in batch.sequences]
+    return lags, serial, b.counters.groups_dropped_stale
+
+
+@pytest.mark.parametrize("max_staleness,n_batch,group,n_async", [(0, 4, 2, 64), (1, 4, 2, 64), (2, 6, 3, 9)])
+def test_admitted_samples_are_consumed_within_the_bound(max_staleness, n_batch, group, n_async):
+    lags, started, dropped = _fifo_run(max_staleness, n_batch, group, n_async, steps=400, seed=max_staleness)
+    assert started > 20 and len(lags) >= 5 * n_batch
+    assert max(lags) <= max_staleness and dropped == 0
+    assert max_staleness == 0 or max(lags) == max_staleness  # the bound is used, not undershot
+
+
+def test_token_staleness_counts_each_token_of_a_group():
+    b = _budget(n_batch=4, n_mini=1, max_staleness=1)
+    fresh = b.start_group(_problem(1)).group_id  # started at version 0, finished at 2: partly fresh
+    versions = [[0, 2, 2], [0, 0, 2], [2, 2, 2], [0, 2, 2, 2, 2]]
+    for i, vs in enumerate(versions):
+        b.add_graded(Rollout(fresh, i, [1], [5] * len(vs), [-0.1] * len(vs), vs, "stop", reward=float(i)))
+    rs = [r.rollout for r in b.ready]
+    tokens = [2 - v for vs in versions for v in vs]
+    assert token_staleness(rs, 2) == pytest.approx(sum(tokens) / len(tokens))  # 8/14, below 1
+    old = _complete(b, _problem(2), [0, 1, 0, 1], version=0)  # every token 2 versions old
+    batch = b.take_batch(trainer_version=2)
+    assert [s.group_id for s in batch.sequences] == [fresh] * 4  # the oldest-token rule would drop both
+    assert b.counters.groups_dropped_stale == 1 and [p.problem_id for p in b.requeue] == ["p2"]
+    assert old not in {r.group_id for r in b.ready}
+
+
+def test_length_stats_trained_against_all_graded():
+    b = _budget(n_batch=4, n_mini=1, max_staleness=0)
+    kept = _complete(b, _problem(1), [0, 1, 0, 1], version=1)
+    g = b.start_group(_problem(2)).group_id
+    for i in range(4):
+        b.add_graded(_rollout(g, i, float(i), version=0, n=7))  # long, and stale at version 1
+    b.take_batch(trainer_version=1)
+    stats = b.length_stats()
+    assert stats["length/completed_mean"] == pytest.approx((4 * 3 + 4 * 7) / 8)
+    assert stats["length/trained_mean"] == 3 and kept not in b._problems
+    assert stats["length/trained_vs_completed"] == pytest.approx(3 / 5)
+
+
+def test_reweight_keeps_stale_groups_but_admits_within_the_bound():
+    reweight = _budget(n_batch=4, n_mini=1, max_staleness=1, n_async=16, stale_policy="reweight")
     for i in range(2):
         _complete(reweight, _problem(i), [0, 1, 0, 1])
-    assert reweight.free_group_slots() == 2
+    assert reweight.free_group_slots() == 0  # two batches wait: (1 + 1) * 4 committed
+    assert reweight.take_batch(trainer_version=5) is not None and reweight.counters.groups_dropped_stale == 0
+    reweight.weights_served(6)
+    assert reweight.free_group_slots() == 1
+
+
+def test_take_batch_takes_the_groups_with_the_oldest_tokens_first():
+    b = _budget(n_batch=4, n_mini=1, max_staleness=3)
+    newer = _complete(b, _problem(1), [0, 1, 0, 1], version=2)  # completed first
+    older = _complete(b, _problem(2), [1, 0, 0, 0], version=1)
+    tie = _complete(b, _problem(3), [1, 0, 1, 0], version=2)
+    assert [s.group_id for s in b.take_batch(trainer_version=3).sequences] == [older] * 4
+    assert [s.group_id for s in b.take_batch(trainer_version=3).sequences] == [newer] * 4  # ties: completion order
+    assert [r.group_id for r in b.ready] == [tie] * 4
+
+
+def test_batch_stats_count_the_staleness_of_every_token():
+    from megatron_rl.control.metrics import batch_stats
+
+    b = _budget(n_batch=4, n_mini=1, max_staleness=3)
+    g = b.start_group(_problem(1)).group_id
+    versions = [[1, 2], [2, 2, 2], [0, 1, 2, 3], [3]]
+    for i, vs in enumerate(versions):
+        b.add_graded(Rollout(g, i, [1], [5] * len(vs), [-0.1] * len(vs), vs, "stop", reward=float(i)))
+    stats = batch_stats(b.take_batch(trainer_version=3))
+    lags = [3 - v for vs in versions for v in vs]
+    assert stats == {"batch/sequences": 4, "batch/tokens": len(lags),
+                     "batch/staleness_mean": pytest.approx(sum(lags) / len(lags)), "batch/staleness_max": 3}

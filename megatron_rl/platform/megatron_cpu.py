@@ -216,6 +216,23 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm._megatron_rl_patched = True
 
 
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _moe_router_gemm_unbound() -> bool:
+    # moe_utils binds te_general_gemm only when Transformer Engine imports, yet the router's
+    # gating linear tests `te_general_gemm is not None` unconditionally (NameError without TE).
+    try:
+        mod = importlib.import_module(_MOE_UTILS)
+    except ImportError:
+        return False
+    return not hasattr(mod, "te_general_gemm") and _source_contains(_MOE_UTILS, "te_general_gemm is not None")
+
+
+def _bind_moe_router_gemm() -> None:
+    importlib.import_module(_MOE_UTILS).te_general_gemm = None  # -> the plain torch.mm branch
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim("paged_stash_stub", "megatron-core 0.19 imports triton via the MoE paged stash",
          _paged_stash_needs_stub, _stub_paged_stash),
@@ -241,6 +258,8 @@ SHIMS: tuple[Shim, ...] = (
     Shim("torch_norm_sequence_parallel", "local torch norm rejects sequence_parallel",
          lambda: _source_contains("megatron.core.transformer.torch_norm", "sequence parallel"),
          _patch_torch_norm_sequence_parallel),
+    Shim("moe_router_gemm", "MoE router gating reads te_general_gemm, unbound without Transformer Engine",
+         _moe_router_gemm_unbound, _bind_moe_router_gemm),
 )
 
 _APPLIED: list[str] = []

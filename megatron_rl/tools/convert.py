@@ -1,4 +1,4 @@
-"""Checkpoint conversion HF <-> Megatron-Core dist-checkpoint (Llama, Mistral, Qwen2), any TP/PP.
+"""Checkpoint conversion HF <-> Megatron-Core dist-checkpoint (the families of train.model), any TP/PP.
 
 Both directions are collective over the torch.distributed world (launch with torchrun/srun for
 TP*PP > 1; a plain process is a world of one). The layout of the job decides the sharding:

@@ -14,9 +14,15 @@ Megatron layouts (per layer; TP=1 view, after the padding described in `model.py
 - `linear_proj` / `linear_fc2`: row-parallel (dim 1); embeddings / output layer: vocab rows (dim 0).
 - Transformer Engine specs fold the norms into the next linear (`linear_qkv.layer_norm_weight`,
   `linear_fc1.layer_norm_weight`); both namings are handled.
+- MoE (`moe.py`): `mlp.router.weight` is the HF router (`mlp.gate` / `block_sparse_moe.gate`); local
+  expert j (`mlp.experts.local_experts.{j}.linear_fc1/2.weight`, or TEGroupedMLP's
+  `mlp.experts.linear_fc1/2.weight{j}`) is global expert `ep_rank * E/ep + j`, [gate; up] / down,
+  never TP-split. The export all-gathers experts over the EP group (collective over it too: every
+  EP rank iterates) and yields all E experts on every rank.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .model import ModelDims, layer_offset
+from .moe import ep_size_rank, expert_hf_name, router_hf_name
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -34,11 +41,16 @@ _LAYER_PARAMS = {
     "self_attention.linear_qkv.weight": ("qkv", 0),
     "self_attention.linear_qkv.bias": ("qkv_bias", 0),
     "self_attention.linear_proj.weight": ("proj", 1),
+    "self_attention.q_layernorm.weight": ("q_norm", None),  # Qwen3: per head, shared by all heads
+    "self_attention.k_layernorm.weight": ("k_norm", None),
     "pre_mlp_layernorm.weight": ("post_norm", None),
     "mlp.linear_fc1.layer_norm_weight": ("post_norm", None),
     "mlp.linear_fc1.weight": ("fc1", 0),
     "mlp.linear_fc2.weight": ("fc2", 1),
+    "mlp.router.weight": ("router", None),
 }
+# kind "expert_fc1:<local j>" / "expert_fc2:<local j>"; made global ("...:<e>") before mapping to HF
+_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight|linear_(fc[12])\.weight(\d+))$")
 _TOP_PARAMS = {
     "embedding.word_embeddings.weight": ("embed", 0),
     "decoder.final_layernorm.weight": ("final_norm", None),
@@ -55,6 +67,10 @@ def _classify(name: str, offset: int) -> tuple[str, int | None, int | None]:
         local, _, suffix = name[len(prefix):].partition(".")
         if suffix in _LAYER_PARAMS:
             return (*_LAYER_PARAMS[suffix], offset + int(local))
+        m = _EXPERT.match(suffix)
+        if m:
+            j, fc = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
+            return f"expert_{fc}:{j}", None, offset + int(local)
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
 
 
@@ -73,6 +89,14 @@ def _hf_layer(i: int, name: str) -> str:
     return f"model.layers.{i}.{name}"
 
 
+def _expert_kind(kind: str, dims: ModelDims, ep_rank: int, ep: int) -> str:
+    """`expert_fcN:<local>` -> `expert_fcN:<global>` for EP rank `ep_rank`; other kinds unchanged."""
+    if not kind.startswith("expert_"):
+        return kind
+    base, _, local = kind.partition(":")
+    return f"{base}:{ep_rank * (dims.moe.num_experts // ep) + int(local)}"
+
+
 def _full_megatron(kind: str, layer: int | None, get: Getter, d: ModelDims) -> torch.Tensor:
     kv, kvp, hpg, hd = d.num_kv_heads, d.padded_num_kv_heads, d.heads_per_group, d.head_dim
     if kind == "embed":
@@ -86,6 +110,15 @@ def _full_megatron(kind: str, layer: int | None, get: Getter, d: ModelDims) -> t
         return get(_hf_layer(layer, "input_layernorm.weight"))
     if kind == "post_norm":
         return get(_hf_layer(layer, "post_attention_layernorm.weight"))
+    if kind in ("q_norm", "k_norm"):
+        return get(_hf_layer(layer, f"self_attn.{kind}.weight"))
+    if kind == "router":
+        return get(router_hf_name(d.moe, layer))
+    if kind.startswith("expert_fc1:"):
+        e = int(kind.partition(":")[2])
+        return torch.cat([get(expert_hf_name(d.moe, layer, e, "gate")), get(expert_hf_name(d.moe, layer, e, "up"))])
+    if kind.startswith("expert_fc2:"):
+        return get(expert_hf_name(d.moe, layer, int(kind.partition(":")[2]), "down"))
     if kind in ("qkv", "qkv_bias"):
         suffix = "weight" if kind == "qkv" else "bias"
         q = get(_hf_layer(layer, f"self_attn.q_proj.{suffix}"))
@@ -146,11 +179,13 @@ def load_hf_weights(model_chunks: list, hf_tensors) -> None:
     """Copy HF weights into this rank's chunks (every parameter is written; shapes are checked)."""
     get = _getter(hf_tensors)
     tp, rank = _tp()
+    ep, ep_rank = ep_size_rank()
     for chunk in model_chunks:
         dims: ModelDims = chunk.mrl_dims
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
             kind, dim, layer = _classify(name, offset)
+            kind = _expert_kind(kind, dims, ep_rank, ep)
             shard = _shard(kind, dim, _full_megatron(kind, layer, get, dims), tp, rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF shard shape {tuple(shard.shape)} != Megatron "
@@ -185,6 +220,16 @@ def _to_hf(kind: str, layer: int | None, full: torch.Tensor, d: ModelDims) -> li
         return [(_hf_layer(layer, "input_layernorm.weight"), full)]
     if kind == "post_norm":
         return [(_hf_layer(layer, "post_attention_layernorm.weight"), full)]
+    if kind in ("q_norm", "k_norm"):
+        return [(_hf_layer(layer, f"self_attn.{kind}.weight"), full)]
+    if kind == "router":
+        return [(router_hf_name(d.moe, layer), full)]
+    if kind.startswith("expert_fc1:"):
+        e = int(kind.partition(":")[2])
+        gate, up = full.chunk(2, dim=0)
+        return [(expert_hf_name(d.moe, layer, e, "gate"), gate), (expert_hf_name(d.moe, layer, e, "up"), up)]
+    if kind.startswith("expert_fc2:"):
+        return [(expert_hf_name(d.moe, layer, int(kind.partition(":")[2]), "down"), full)]
     if kind in ("qkv", "qkv_bias"):
         suffix = "weight" if kind == "qkv" else "bias"
         tail = full.shape[1:]
@@ -212,6 +257,7 @@ def export_hf_tensors(model_chunks: list, dtype: torch.dtype | None = None,
     `grads=True` exports the parameters' `.grad` (or DDP `main_grad`) in the same layout instead
     (zeros where a parameter has none), for gradient checks against HF."""
     tp, _ = _tp()
+    ep, _ = ep_size_rank()
     for chunk in model_chunks:
         dims: ModelDims = chunk.mrl_dims
         offset = layer_offset(chunk)
@@ -224,15 +270,29 @@ def export_hf_tensors(model_chunks: list, dtype: torch.dtype | None = None,
                 g = getattr(param, "main_grad", None)
                 g = param.grad if g is None else g
                 local = torch.zeros_like(local) if g is None else g.detach()
-            full = _gather(kind, dim, local, tp)
-            for hf_name, tensor in _to_hf(kind, layer, full, dims):
-                tensor = tensor.contiguous()
-                yield hf_name, tensor if dtype is None else tensor.to(dtype)
+            for part_kind, full in _gathered_parts(kind, dim, local, tp, ep, dims):
+                for hf_name, tensor in _to_hf(part_kind, layer, full, dims):
+                    tensor = tensor.contiguous()
+                    yield hf_name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _gathered_parts(kind: str, dim: int | None, local: torch.Tensor, tp: int, ep: int, dims: ModelDims):
+    """[(kind, full tensor)]: one TP-gathered tensor, or for an expert its copies on every EP rank."""
+    if not kind.startswith("expert_"):
+        return [(kind, _gather(kind, dim, local, tp))]
+    if ep == 1:
+        return [(_expert_kind(kind, dims, 0, 1), local)]
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local.contiguous(), group=ps.get_expert_model_parallel_group())
+    return [(_expert_kind(kind, dims, r, ep), part) for r, part in enumerate(parts)]
 
 
 def hf_names_of_stage(model_chunks: list) -> list[str]:
     """HF names `export_hf_tensors` yields on this rank, without communication or copies."""
     names = []
+    ep, _ = ep_size_rank()
     for chunk in model_chunks:
         dims: ModelDims = chunk.mrl_dims
         offset = layer_offset(chunk)
@@ -240,7 +300,9 @@ def hf_names_of_stage(model_chunks: list) -> list[str]:
             kind, _, layer = _classify(name, offset)
             if kind == "output" and dims.tie_embeddings:
                 continue
-            names.extend(n for n, _ in _to_hf(kind, layer, _meta_full(kind, dims), dims))
+            kinds = [_expert_kind(kind, dims, r, ep) for r in range(ep)] if kind.startswith("expert_") else [kind]
+            for k in kinds:
+                names.extend(n for n, _ in _to_hf(k, layer, _meta_full(k, dims), dims))
     return names
 
 
@@ -250,8 +312,15 @@ def _meta_full(kind: str, d: ModelDims) -> torch.Tensor:
     shapes = {
         "embed": (d.padded_vocab_size, d.hidden_size), "output": (d.padded_vocab_size, d.hidden_size),
         "final_norm": (d.hidden_size,), "input_norm": (d.hidden_size,), "post_norm": (d.hidden_size,),
+        "q_norm": (hd,), "k_norm": (hd,),
         "qkv": (kvp * (hpg + 2) * hd, d.hidden_size), "qkv_bias": (kvp * (hpg + 2) * hd,),
         "proj": (d.hidden_size, kvp * hpg * hd), "fc1": (2 * d.padded_ffn_size, d.hidden_size),
         "fc2": (d.hidden_size, d.padded_ffn_size),
     }
+    if d.moe is not None:
+        shapes["router"] = (d.moe.num_experts, d.hidden_size)
+    if kind.startswith("expert_"):
+        fc1 = kind.startswith("expert_fc1")
+        shape = (2 * d.ffn_size, d.hidden_size) if fc1 else (d.hidden_size, d.ffn_size)
+        return torch.empty(shape, device="meta")
     return torch.empty(shapes[kind], device="meta")

@@ -1,4 +1,5 @@
-"""Megatron-Core GPT model built from a Hugging Face config (Llama, Mistral, Qwen2 families).
+"""Megatron-Core GPT model built from a Hugging Face config (Llama, Mistral, Qwen2, Qwen3; MoE: Qwen3-MoE,
+Mixtral through `moe.py`).
 
 API:
 - `model_dims(hf_config, tp=1) -> ModelDims`: the HF shapes plus the padded shapes Megatron uses.
@@ -39,9 +40,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .moe import MOE_MODEL_TYPES, MoeDims, moe_config_kwargs, moe_dims
 from .parallel import ParallelLayout
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES
 
 
 class UnsupportedModelError(ValueError):
@@ -78,6 +80,8 @@ class ModelDims:
     rope: RopeSpec
     max_position_embeddings: int
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE (Megatron's qk_layernorm)
+    moe: MoeDims | None = None  # MoE families: every layer's MLP is routed experts (ffn_size: per expert)
 
     @property
     def heads_per_group(self) -> int:
@@ -181,22 +185,24 @@ def model_dims(hf_config, tp: int = 1) -> ModelDims:
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
         if qkv_bias:
-            raise UnsupportedModelError("attention_bias=True on Llama/Mistral (o_proj bias) is not supported")
+            raise UnsupportedModelError(f"attention_bias=True on {model_type} (o_proj bias) is not supported")
     sliding = getattr(hf_config, "sliding_window", None)
-    if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
         sliding = None
+    moe = moe_dims(hf_config)
+    ffn = moe.expert_ffn_size if moe else hf_config.intermediate_size
     if getattr(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     return ModelDims(
         model_type=model_type, vocab_size=hf_config.vocab_size,
         padded_vocab_size=_round_up(hf_config.vocab_size, tp), hidden_size=hf_config.hidden_size,
         num_layers=hf_config.num_hidden_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        padded_num_kv_heads=_round_up(kv_heads, tp), ffn_size=hf_config.intermediate_size,
-        padded_ffn_size=_round_up(hf_config.intermediate_size, tp), qkv_bias=qkv_bias,
+        padded_num_kv_heads=_round_up(kv_heads, tp), ffn_size=ffn,
+        padded_ffn_size=ffn if moe else _round_up(ffn, tp), qkv_bias=qkv_bias,  # experts: no TP (moe.py)
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         norm_eps=float(hf_config.rms_norm_eps), rope=_rope_spec(hf_config),
         max_position_embeddings=int(hf_config.max_position_embeddings),
-        sliding_window=int(sliding) if sliding else None)
+        sliding_window=int(sliding) if sliding else None, qk_norm=model_type in ("qwen3", "qwen3_moe"), moe=moe)
 
 
 def te_available() -> bool:
@@ -218,8 +224,10 @@ def _megatron_applies_yarn_mscale() -> bool:
 
 
 def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
-                       use_te: bool | None = None, recompute: Recompute | None = None):
-    """Megatron's TransformerConfig for `dims` under `layout`. Fusions, batched p2p and CPU init come
+                       use_te: bool | None = None, recompute: Recompute | None = None,
+                       router_aux_loss: float = 0.0):
+    """Megatron's TransformerConfig for `dims` under `layout` (MoE fields from `moe.moe_config_kwargs`,
+    `router_aux_loss` its load-balancing loss coefficient). Fusions, batched p2p and CPU init come
     from `platform.megatron_kernel_options` (the machine's facts); `use_te`: the TE layer spec is used
     (default: TE importable on GPU, as `layer_spec`); sequence parallel from the layout, activation
     recompute from `recompute` (default none)."""
@@ -236,14 +244,16 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
     softmax_scale = None
     if dims.rope.kind == "yarn" and dims.rope.mscale != 1.0 and not _megatron_applies_yarn_mscale():
         softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
-    kernels = megatron_kernel_options(use_te=te_available() if use_te is None else use_te,
-                                      interleaved=layout.interleaved)
+    use_te = te_available() if use_te is None else use_te
+    kernels = megatron_kernel_options(use_te=use_te, interleaved=layout.interleaved)
+    moe_kwargs = moe_config_kwargs(dims.moe, layout, use_te, router_aux_loss) if dims.moe else {}
     if dims.rope.kind == "yarn":  # TE's fused THD RoPE drops YaRN's mscale (Megatron only warns on BSHD)
         kernels["apply_rope_fusion"] = False
     config = TransformerConfig(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, ffn_hidden_size=dims.padded_ffn_size,
         num_attention_heads=dims.padded_num_heads, num_query_groups=dims.padded_num_kv_heads,
         kv_channels=dims.head_dim, normalization="RMSNorm", layernorm_epsilon=dims.norm_eps,
+        qk_layernorm=dims.qk_norm,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, softmax_scale=softmax_scale,
         attention_softmax_in_fp32=True,
@@ -255,7 +265,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
         pipeline_dtype=dtype, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        **kernels, **(recompute or Recompute()).config_kwargs(),
+        **kernels, **(recompute or Recompute()).config_kwargs(), **moe_kwargs,
     )
     if dims.rope.kind == "yarn":  # GPTModel reads these with getattr (they live on MLA configs)
         config.yarn_rotary_scaling_factor = dims.rope.factor
@@ -268,17 +278,20 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
     return config
 
 
-def layer_spec(use_te: bool | None = None, segment_attention: bool = True):
+def layer_spec(use_te: bool | None = None, segment_attention: bool = True, qk_norm: bool = False,
+               num_experts: int | None = None):
     """Transformer Engine spec when `use_te` (default: TE importable on GPU), else the local spec, whose
     core attention is `attention.SegmentCausalAttention` (or Megatron's DotProductAttention with
-    `segment_attention=False`, the reference it is tested against)."""
+    `segment_attention=False`, the reference it is tested against). `qk_norm`: q/k RMSNorm per head;
+    `num_experts`: MoE MLPs (grouped GEMM experts on TE, SequentialMLP on the local spec)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
         use_te = te_available()
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=bool(num_experts), qk_layernorm=qk_norm)
+    spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
     if segment_attention:
         from .attention import SegmentCausalAttention
 
@@ -288,7 +301,8 @@ def layer_spec(use_te: bool | None = None, segment_attention: bool = True):
 
 
 def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
-                use_te: bool | None = None, recompute: Recompute | None = None) -> list:
+                use_te: bool | None = None, recompute: Recompute | None = None,
+                router_aux_loss: float = 0.0) -> list:
     """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -297,13 +311,15 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
         raise RuntimeError("call megatron_rl.train.parallel.init_parallel(layout) before build_model")
     if ps.get_tensor_model_parallel_world_size() != layout.tp or \
             ps.get_pipeline_model_parallel_world_size() != layout.pp or \
-            ps.get_context_parallel_world_size() != layout.cp:
+            ps.get_context_parallel_world_size() != layout.cp or \
+            ps.get_expert_model_parallel_world_size() != layout.ep:
         raise ValueError("layout does not match the initialised parallel state")
     dims = model_dims(hf_config, layout.tp)
     if use_te is None:
         use_te = te_available()
-    config = transformer_config(dims, layout, dtype, use_te=use_te, recompute=recompute)
-    spec = layer_spec(use_te)
+    config = transformer_config(dims, layout, dtype, use_te=use_te, recompute=recompute,
+                                router_aux_loss=router_aux_loss)
+    spec = layer_spec(use_te, qk_norm=dims.qk_norm, num_experts=dims.moe.num_experts if dims.moe else None)
     rope = dims.rope
     position_type = "yarn" if rope.kind == "yarn" else "rope"
     chunks = []

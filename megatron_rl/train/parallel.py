@@ -34,9 +34,10 @@ class ParallelLayout:
     vpp: int | None = None  # virtual pipeline stages per PP rank (interleaved 1F1B); None = plain
     sequence_parallel: bool = False  # Megatron sequence parallel over the TP group (needs tp > 1)
     cp: int = 1  # context parallel: each sequence's tokens split over cp ranks
+    ep: int = 1  # expert parallel (MoE): the experts split over ep ranks taken from tp x cp x dp
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.dp < 0:
@@ -48,6 +49,9 @@ class ParallelLayout:
                 raise ValueError("ParallelLayout.vpp > 1 needs pp >= 2 (interleaved pipeline)")
         if self.sequence_parallel and self.tp < 2:
             raise ValueError("ParallelLayout.sequence_parallel needs tp > 1")
+        if self.dp > 0 and (self.tp * self.cp * self.dp) % self.ep:
+            raise ValueError(f"ParallelLayout.ep={self.ep} must divide tp*cp*dp={self.tp * self.cp * self.dp} "
+                             "(expert parallel ranks are carved from them, expert TP = 1)")
 
     @property
     def world_size(self) -> int:
@@ -110,6 +114,7 @@ def init_parallel(layout: ParallelLayout, backend: str | None = None, seed: int 
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,  # experts whole (moe.py)
     )
     model_parallel_cuda_manual_seed(seed)
     return layout

@@ -19,6 +19,7 @@ TINY = {  # llama: even sizes (no TP padding); the others odd (padded at TP=2)
     "llama": dict(family="llama", layers=2, heads=4, kv_heads=2, intermediate=96, vocab=302),
     "mistral": dict(family="mistral", layers=2, seed=3),
     "qwen2_tied": dict(family="qwen2", layers=2, tie=True, seed=2),
+    "qwen3": dict(family="qwen3", layers=2, head_dim=12, seed=4),  # q/k norms, head_dim != hidden / heads
 }
 
 
@@ -56,7 +57,7 @@ def converted(tmp_path_factory):
 
 
 def _export_keys():
-    return [("smollm2", "tp1"), ("llama", "pp2"), ("llama", "tp1"), ("mistral", "tp2"), ("qwen2_tied", "tp1")]
+    return [("smollm2", "tp1"), ("llama", "pp2"), ("llama", "tp1"), ("mistral", "tp2"), ("qwen2_tied", "tp1"), ("qwen3", "tp1")]
 
 
 @pytest.mark.parametrize("key", _export_keys(), ids=lambda k: f"{k[0]}-{k[1]}")

@@ -21,11 +21,13 @@ MODELS = {  # name -> (builder kwargs or "smollm2", batch, seq)
     "llama": (dict(family="llama", layers=2), 4, 24),  # vocab 301, 3 KV groups, ffn 97: all padded at TP=2
     "llama4": (dict(family="llama", layers=4, seed=1), 4, 24),
     "qwen2_tied": (dict(family="qwen2", layers=2, tie=True, seed=2), 4, 24),
+    "qwen3": (dict(family="qwen3", layers=2, head_dim=12, seed=4), 4, 24),  # q/k norms, 3 KV groups padded
 }
 CASES = [  # (case name, model, tp, pp, vpp, with grads)
     ("tp2_smollm2", "smollm2", 2, 1, None, False),
     ("tp2_llama", "llama", 2, 1, None, True),
     ("tp2_qwen2_tied", "qwen2_tied", 2, 1, None, True),
+    ("tp2_qwen3", "qwen3", 2, 1, None, True),
     ("pp2_smollm2", "smollm2", 1, 2, None, False),
     ("pp2_llama", "llama", 1, 2, None, True),
     ("pp2_qwen2_tied", "qwen2_tied", 1, 2, None, False),

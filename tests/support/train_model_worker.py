@@ -55,6 +55,13 @@ def run_case(case: dict, out: Path) -> None:
        model=chunks, num_microbatches=n_mb, seq_length=t, micro_batch_size=1,
        forward_only=weights is None)
     # the schedule scales each microbatch loss by 1/num_microbatches before backward
+    if weights is not None and ps.get_tensor_model_parallel_world_size() > 1:
+        # q/k norms (Qwen3) are replicated over TP but each rank backpropagates only its heads: the
+        # trainer's finalize_model_grads sums their grads over TP; this raw schedule must do it too.
+        for chunk in chunks:
+            for pname, p in chunk.named_parameters():
+                if p.grad is not None and ("q_layernorm" in pname or "k_layernorm" in pname):
+                    torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     name = case["name"]
     if collected and tp_rank == 0:

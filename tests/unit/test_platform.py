@@ -26,6 +26,8 @@ def _expected_shims() -> set[str]:
     major, minor = (int(x) for x in MCORE.split(".")[:2])
     if (major, minor) >= (0, 19) and importlib.util.find_spec("triton") is None:
         names.add("paged_stash_stub")
+    if importlib.util.find_spec("transformer_engine") is None:
+        names.add("moe_router_gemm")
     return names
 
 

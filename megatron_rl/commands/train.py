@@ -42,6 +42,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_rl.control.preflight import check_code_sandbox
     from megatron_rl.data.sources import DataError
     from megatron_rl.reward.sandbox import SandboxUnavailable
+    from megatron_rl.train.hf_cache import ModelUnavailable
 
     rank_args = [args.config, *args.overrides] + (["--resume"] if args.resume else [])
     if _inside_mpi_job():
@@ -54,9 +55,9 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 1
-    try:  # before starting any rank: a problem set that cannot load, or code tasks nothing can grade
+    try:  # before any rank starts: a model not here, a problem set that cannot load, ungradable code tasks
         check_code_sandbox(cfg)
-    except (DataError, SandboxUnavailable) as e:
+    except (DataError, SandboxUnavailable, ModelUnavailable) as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 1
     cmd = [_mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "megatron_rl.control.main", *rank_args]

@@ -26,10 +26,24 @@ def code_languages(cfg: Config) -> list[str]:
     return sorted({p.task.get("language", "python") for p in problems if p.task.get("kind") == "code"})
 
 
+def check_model(cfg: Config) -> None:
+    """ModelUnavailable (one line) when trainer.model cannot be found here (no downloads) or is of a
+    family the trainer does not build; the supported ones are listed."""
+    from megatron_rl.train.hf_cache import check_family
+    from megatron_rl.train.hf_source import resolve_model
+
+    source = resolve_model(cfg.trainer.model)
+    if not source.gguf_file:  # the shipped GGUF model is a Llama
+        check_family(source.path)
+
+
 def check_code_sandbox(cfg: Config) -> None:
-    """SandboxUnavailable (one line, with the probe's own error) when the problem set has code tasks
-    and the sandbox cannot grade a program of their language here."""
+    """The checks before any rank starts: the model (check_model), then SandboxUnavailable (one line,
+    with the probe's own error) when the problem set has code tasks and the sandbox cannot grade a
+    program of their language here."""
     from megatron_rl.reward.code import sandbox_probe
+
+    check_model(cfg)
 
     for language in code_languages(cfg):
         ok, why = sandbox_probe(language)

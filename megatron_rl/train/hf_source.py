@@ -103,13 +103,18 @@ def smollm2_dir() -> Path:
 
 
 def resolve_model(name_or_dir: str | Path) -> ModelSource:
-    """`smollm2-135m` or a local HF directory (config.json + safetensors)."""
+    """`smollm2-135m`, a local HF directory (config.json + safetensors), or a hub id ("org/name") found
+    in the local HF cache (megatron_rl.train.hf_cache; never downloaded)."""
     if str(name_or_dir).lower() == SMOLLM2_NAME:
         return ModelSource(SMOLLM2_NAME, smollm2_dir(), SMOLLM2_GGUF)
     path = Path(name_or_dir)
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.stem, path.parent, path.name)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{name_or_dir!r} is neither {SMOLLM2_NAME!r} nor an HF directory with "
-                                f"config.json (no hub downloads here)")
+        from megatron_rl.train.hf_cache import ModelUnavailable, hub_snapshot, not_found_message
+
+        cached = hub_snapshot(str(name_or_dir))
+        if cached is None:
+            raise ModelUnavailable(not_found_message(str(name_or_dir), (SMOLLM2_NAME,)))
+        return ModelSource(str(name_or_dir).split("@")[0].split("/")[-1], cached)
     return ModelSource(path.name, path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 
@@ -39,9 +40,14 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_rl.commands.common import DefaultsHelpFormatter, add_common_options, has_subcommands, leaf_parsers
+
     parser = argparse.ArgumentParser(
-        prog="megatron-rl",
-        description="Asynchronous RL with verifiable rewards on Megatron-Core and SGLang.")
+        prog="megatron-rl", formatter_class=DefaultsHelpFormatter,
+        description="Asynchronous RL with verifiable rewards on Megatron-Core and SGLang.",
+        epilog="A command that reads the run config takes it as its first argument CONFIG; dotted overrides "
+               "(key=value, e.g. run.updates=30) may stand anywhere after the command.")
+    add_common_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         label = cmd.help if cmd.module else f"{cmd.help} [not yet available: issue #{cmd.issue}]"
@@ -50,21 +56,58 @@ def build_parser() -> argparse.ArgumentParser:
             importlib.import_module(f"megatron_rl.commands.{cmd.module}").add_arguments(p)
         else:
             p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    for p in leaf_parsers(parser):
+        p.formatter_class = DefaultsHelpFormatter
+        if p is not parser and not has_subcommands(p):
+            add_common_options(p, top=False)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; `key=value` overrides may stand anywhere after the command name."""
+    from megatron_rl.commands.common import split_overrides
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv), set(COMMANDS))
+    args = parser.parse_args(rest)
+    if overrides and not hasattr(args, "overrides"):
+        parser.error(f"{args.command} takes no key=value overrides: {' '.join(overrides)}")
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *overrides]
+    args.parser = parser
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_rl import log
+
+    args = parse(argv)
     if not args.command:
-        parser.print_help()
+        args.parser.print_help()
         return 0
+    log.setup(args.command, _rank_of_job(), args.log_level)
+    if args.quiet:
+        os.environ["MEGATRON_RL_QUIET"] = "1"  # progress bars off here and in the processes it starts
+    config_option = getattr(args, "config_option", None)
+    if config_option is not None:
+        if args.config is not None:
+            args.parser.error(f"{args.command}: give the config once (CONFIG or --config), not both")
+        log.get_logger(__name__).warning("--config is deprecated: give the config as the first argument, "
+                                         "megatron-rl %s CONFIG ...", args.command)
+        args.config = config_option
     cmd = COMMANDS[args.command]
     if cmd.module is None:
-        print(f"megatron-rl {args.command}: not available yet; it arrives with issue #{cmd.issue}.",
-              file=sys.stderr)
+        log.get_logger(__name__).error("not available yet; it arrives with issue #%s", cmd.issue)
         return 2
     return int(importlib.import_module(f"megatron_rl.commands.{cmd.module}").main(args) or 0)
+
+
+def _rank_of_job() -> int | None:
+    """This process's rank under torchrun / mpiexec / srun (convert, sft), None in a plain process."""
+    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
 
 
 if __name__ == "__main__":

@@ -4,19 +4,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rl.commands.common import add_config_argument
 from megatron_rl.config import ConfigError, dump_config, load_config_args
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="YAML config file (defaults when omitted)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.eps_high=0.26")
+    add_config_argument(parser, required=False)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config_args(args.config, args.overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        log.error("config error: %s", e)
         return 1
     sys.stdout.write(dump_config(cfg))
     return 0

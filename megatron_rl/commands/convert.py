@@ -6,7 +6,10 @@ world of one. See megatron_rl.tools.convert for what bounds memory.
 from __future__ import annotations
 
 import argparse
-import sys
+
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
                                max_shard_bytes=args.max_shard_mb << 20, backend=args.backend,
                                verify=args.verify)
     except (ConversionError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"convert: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     import torch.distributed as dist
 

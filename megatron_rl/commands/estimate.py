@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from megatron_rl.commands.common import add_config_argument
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML run config")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.data_parallel=8")
+    add_config_argument(parser, required=True)
     parser.add_argument("--cluster", help="YAML of megatron_rl.tools.estimate.Cluster (GPU memory, bandwidth, ...); the generator TP is the "
                         "config's generator.tp_size (a generator_tp here must agree with it)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -23,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         e = estimate(cfg, Cluster.load(args.cluster), shapes_of(cfg))
     except (ConfigError, ValueError, OSError, TypeError) as err:
-        print(f"estimate: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 1
     print(json.dumps(e.to_dict(), indent=2) if args.json else render(e, cfg))
     return 0 if e.fits else 3

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from megatron_rl.commands.common import add_config_argument
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_rl.tools.cli_common import add_problem_args, add_sampler_args
 
+    add_config_argument(parser, required=False, alias=True)  # trainer.model, rollout.* sampling, generator.*
     add_problem_args(parser)
     add_sampler_args(parser)
     parser.add_argument("--n", type=int, default=4, help="samples per problem")
@@ -34,12 +39,12 @@ def main(args: argparse.Namespace) -> int:
         problems = load_problems(args)
         sampler, close = open_sampler(args)
     except (DataError, ValueError, OSError, ImportError) as e:
-        print(f"evaluate: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     try:
         samples = sampler.sample(problems, args.n)
     except ValueError as e:
-        print(f"evaluate: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     finally:
         close()

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from megatron_rl.commands.common import add_config_argument
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("input", help="JSONL rows {id?, problem|prompt, answer, choices?}")
     f.add_argument("out", help="kept problems (JSONL, readable by data.source=jsonl)")
     f.add_argument("--report", help="write the counts (JSON) here too")
-    d = sub.add_parser("difficulty", help="one stage of pass-rate band filtering")
+    d = sub.add_parser("difficulty", help="one stage of pass-rate band filtering",
+                       description="one stage of pass-rate band filtering; the optional CONFIG gives trainer.model, "
+                                   "rollout.* sampling and generator.*, and key=value overrides may follow anywhere")
+    add_config_argument(d, required=False, overrides=False, alias=True)
     add_problem_args(d)
     add_sampler_args(d)
     d.add_argument("out", help="kept problems with pass_rate (JSONL)")
@@ -38,7 +45,7 @@ def _format(args) -> int:
     try:
         rows = read_rows(args.input)
     except (OSError, ValueError) as e:
-        print(f"filter: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     report = format_filter(rows)
     write_jsonl(args.out, report.kept)
@@ -59,13 +66,13 @@ def _difficulty(args) -> int:
         problems = load_problems(args)
         sampler, close = open_sampler(args)
     except (DataError, ValueError, OSError, ImportError) as e:
-        print(f"filter: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     try:
         report = difficulty_filter(problems, sampler, args.k, args.min_pass, args.max_pass, args.stage,
                                    workers=args.workers)
     except ValueError as e:
-        print(f"filter: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     finally:
         close()

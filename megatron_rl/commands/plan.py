@@ -11,22 +11,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rl.commands.common import add_config_argument
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
+
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # Magistral-style system prompt + a competition problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML run config")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.data_parallel=8")
+    add_config_argument(parser, required=True)
     parser.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: as many as --hosts)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--hosts", default=None,
                         help="comma-separated hostnames or addresses of the nodes, in node order (default: "
                              "node0, node1, ...; in an allocation: scontrol show hostnames | paste -sd,)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU")
     parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
                         help="upper bound on prompt length (chat template included) of the data set; "
-                             "prompt + longest generation must fit in trainer.micro_batch_tokens "
-                             f"(default {DEFAULT_MAX_PROMPT_TOKENS})")
+                             "prompt + longest generation must fit in trainer.micro_batch_tokens")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--print-tasks", action="store_true", help="print only the task count (for srun --ntasks)")
     out.add_argument("--print-hostfile", action="store_true",
@@ -41,20 +44,20 @@ def main(args: argparse.Namespace) -> int:
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None
     nodes = args.nodes if args.nodes is not None else (len(hosts) if hosts else None)
     if nodes is None or nodes < 1:
-        print("plan: give --nodes N (>= 1) or --hosts", file=sys.stderr)
+        log.error("give --nodes N (>= 1) or --hosts")
         return 1
     if hosts is not None and len(hosts) != nodes:
-        print(f"plan: --hosts names {len(hosts)} nodes but --nodes is {nodes}", file=sys.stderr)
+        log.error("--hosts names %d nodes but --nodes is %d", len(hosts), nodes)
         return 1
     if args.max_prompt_tokens < 1 or args.gpu_memory_gb <= 0:
-        print("plan: --max-prompt-tokens and --gpu-memory-gb must be > 0", file=sys.stderr)
+        log.error("--max-prompt-tokens and --gpu-memory-gb must be > 0")
         return 1
     try:
         cfg = load_config(args.config, args.overrides)
         shapes = shapes_of(cfg)
     except (ConfigError, ValueError, OSError, TypeError) as err:
         named = str(err).startswith(str(args.config))  # load_config names the file (and line) itself
-        print(f"plan: {err}" if named else f"plan: {args.config}: {err}", file=sys.stderr)
+        log.error("%s", err if named else f"{args.config}: {err}")
         return 1
 
     causes: list[str] = []
@@ -95,5 +98,5 @@ def main(args: argparse.Namespace) -> int:
             print(f"tasks: {placement.world_size} (srun --ntasks={placement.world_size} --distribution=arbitrary "
                   f"with SLURM_HOSTFILE from --print-hostfile; mpiexec -n {placement.world_size})")
     for cause in causes:
-        print(f"plan: cannot run: {cause}", file=sys.stderr)
+        log.error("cannot run: %s", cause)
     return 3 if causes else 0

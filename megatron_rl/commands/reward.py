@@ -1,8 +1,11 @@
-"""`megatron-rl reward --task task.json --response response.txt`: grade one response, print JSON.
+"""`megatron-rl reward [CONFIG] --task task.json --response response.txt [key=value ...]`: grade one
+response, print the reward breakdown as JSON.
 
 The task file holds one task dict (schema: megatron_rl.reward.types); the response file is the raw
-completion text (`-` reads stdin). Reward numbers come from the config (`--config`, dotted
-overrides such as `reward.l_max=2048`). Exit status 0 when graded, 1 on bad input.
+completion text (`-` reads stdin). Reward numbers come from the config (CONFIG, dotted overrides such
+as `reward.l_max=2048`). The response's length for the overlong penalty is counted with the tokenizer
+of the config's `trainer.model`, as the run counts it (`--num-tokens` gives it instead). Exit status:
+0 graded, 1 bad input, 3 grading failed (no verdict: the breakdown's status says why).
 """
 from __future__ import annotations
 
@@ -11,27 +14,46 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_rl.commands.common import add_config_argument
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
+GRADING_FAILED = 3
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_argument(parser, required=False, alias=True)
     parser.add_argument("--task", required=True, help="JSON file with the task dict")
     parser.add_argument("--response", required=True, help="text file with the response ('-' = stdin)")
     parser.add_argument("--num-tokens", type=int, default=None,
-                        help="response length in tokens for the overlong penalty (default: estimated)")
-    parser.add_argument("--config", default=None, help="YAML config file (its reward section is used)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward.l_max=2048")
+                        help="response length in tokens for the overlong penalty (default: counted with "
+                             "the tokenizer of the config's trainer.model)")
+
+
+def count_tokens(model: str, response: str) -> int:
+    """Completion tokens of `response` under `model`'s tokenizer (no special tokens: the run counts
+    the generated ids, which carry none before the end-of-sequence)."""
+    from megatron_rl.train.hf_source import resolve_model
+
+    tokenizer = resolve_model(model).tokenizer()
+    return len(tokenizer(response, add_special_tokens=False)["input_ids"])
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import ConfigError, load_config_args
     from megatron_rl.reward import TaskError, score
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config_args(args.config, args.overrides)
         task = json.loads(Path(args.task).read_text(encoding="utf-8"))
         response = sys.stdin.read() if args.response == "-" else Path(args.response).read_text(encoding="utf-8")
-        result = score(task, response, cfg.reward, num_tokens=args.num_tokens)
+        num_tokens = args.num_tokens if args.num_tokens is not None else count_tokens(cfg.trainer.model, response)
+        result = score(task, response, cfg.reward, num_tokens=num_tokens)
     except (ConfigError, TaskError, OSError, json.JSONDecodeError, ValueError) as e:
-        print(f"megatron-rl reward: {type(e).__name__}: {e}", file=sys.stderr)
+        log.error("%s: %s", type(e).__name__, e)
         return 1
     print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    if result.grading_failed:
+        log.error("grading failed (status %s): %s", result.status, result.error or "no verdict")
+        return GRADING_FAILED
     return 0

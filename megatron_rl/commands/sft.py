@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from megatron_rl.commands.common import add_config_argument
 from megatron_rl.config import ConfigError, load_config_args
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="YAML config file (defaults when omitted)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    add_config_argument(parser, required=False)
     parser.add_argument("--data", required=True, help="JSONL traces (prompt/completion, messages or *_ids)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     parser.add_argument("--epochs", type=int, default=None, help="default: trainer.sft_epochs")
@@ -33,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config_args(args.config, args.overrides)
         records = read_jsonl(args.data)
     except (ConfigError, ValueError, OSError) as e:
-        print(f"sft: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     trainer = Trainer(cfg)
     from megatron_rl.train.hf_source import resolve_model
@@ -46,8 +48,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(cfg.run.output_dir)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
-        print(f"sft: {len(seqs)} sequences ({dropped} dropped: prompt longer than micro_batch_tokens)",
-              flush=True)
+        log.info("%d sequences (%d dropped: prompt longer than micro_batch_tokens)", len(seqs), dropped)
     metrics_file = open(out / "sft_metrics.jsonl", "a") if rank0 else None
 
     def log_step(m):

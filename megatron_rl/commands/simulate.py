@@ -1,20 +1,26 @@
 """`megatron-rl simulate`: discrete-event simulation of the async pipeline vs the synchronous baseline.
 
-    megatron-rl simulate --generators 8 --n-async 512 --n-batch 256 --n-mini 4 --group 16 \
+    megatron-rl simulate [CONFIG] [key=value ...] --generators 8 --n-async 512 --n-batch 256 --n-mini 4 --group 16 \
         --peak-tok-s 3000 --c-half 32 --train-a 5 --train-b 2e-4 --push-s 2 \
         --lengths pareto:low=500,ratio=5,alpha=1.2 [--calibrate RUN_DIR] [--json out.json]
 
-Prints one table row per mode and the async / sync throughput ratio; `--calibrate` first fits the
-trainer, push and generator rates to RUN_DIR/metrics.jsonl (flags given explicitly still win).
+Prints one table row per mode and the async / sync throughput ratio. A run config (CONFIG and its
+overrides) sets the pipeline's shape: generator.num_generators, rollout.n_async, n_batch, n_mini,
+group_size and max_staleness; `--calibrate` then fits the trainer, push and generator rates to
+RUN_DIR/metrics.jsonl; flags given explicitly win over both.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 
+from megatron_rl.commands.common import add_config_argument
+from megatron_rl.config import Config, ConfigError, load_config_args
 from megatron_rl.control.simulate import DecodeModel, SimParams, compare, parse_lengths
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
 
 COLUMNS = [("sequences_per_s", "seq/s", ".3g"), ("tokens_per_s", "tok/s", ".4g"),
            ("generator_util", "gen util", ".1%"), ("trainer_util", "train util", ".1%"),
@@ -24,6 +30,7 @@ COLUMNS = [("sequences_per_s", "seq/s", ".3g"), ("tokens_per_s", "tok/s", ".4g")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p, required=False)
     a = p.add_argument
     a("--generators", type=int, default=None, help="generator count (default 1)")
     a("--n-async", type=int, default=None, help="sequences in flight (default 64)")
@@ -57,8 +64,17 @@ def _decode_table(spec: str) -> list[tuple[float, float]]:
         raise ValueError(f"--decode-table expects 'c:tok_s,c:tok_s,...', got {spec!r}") from None
 
 
+def params_of_config(cfg: Config, **rest) -> SimParams:
+    """The pipeline shape of a run config (its rates are the simulator's defaults or flags)."""
+    r = cfg.rollout
+    return SimParams(generators=cfg.generator.num_generators, n_async=r.n_async, n_batch=r.n_batch,
+                     n_mini=r.n_mini, group=r.group_size, max_staleness=r.max_staleness, **rest)
+
+
 def build_params(args: argparse.Namespace) -> SimParams:
-    p = SimParams(updates=args.updates, warmup_updates=args.warmup, seed=args.seed)
+    rest = {"updates": args.updates, "warmup_updates": args.warmup, "seed": args.seed}
+    config, overrides = getattr(args, "config", None), getattr(args, "overrides", [])
+    p = params_of_config(load_config_args(config, overrides), **rest) if config or overrides else SimParams(**rest)
     if args.calibrate:
         from megatron_rl.control.simulate_calibration import calibrate_run
 
@@ -67,7 +83,7 @@ def build_params(args: argparse.Namespace) -> SimParams:
         p = cal.apply(p)
         if cal.mean_length:
             p.lengths = parse_lengths(f"lognormal:mean={cal.mean_length},sigma=0.5")
-        print(f"calibrated from {args.calibrate} ({cal.rows} rows): {asdict(cal)}", file=sys.stderr)
+        log.info("calibrated from %s (%d rows): %s", args.calibrate, cal.rows, asdict(cal))
     direct = {"generators": args.generators, "n_async": args.n_async, "n_batch": args.n_batch,
               "n_mini": args.n_mini, "group": args.group, "prefill_s": args.prefill_s, "train_a_s": args.train_a,
               "train_b_s": args.train_b, "train_step_s": args.train_step_s, "push_s": args.push_s,
@@ -101,8 +117,8 @@ def format_table(results: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     try:
         params = build_params(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"megatron-rl simulate: {e}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
         return 2
     results = compare(params)
     print(format_table(results))

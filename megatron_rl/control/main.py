@@ -14,14 +14,16 @@ import os
 import shutil
 import signal
 import sys
-import traceback
 from pathlib import Path
 
+from megatron_rl import log as logs
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.node import NodeEnvError, assign_gpus, gather_nodes
 from megatron_rl.sync.group import bind_listener
 from megatron_rl.train.checkpoint_dirs import holds_checkpoints
+
+log = logs.get_logger(__name__)
 
 RANKS_DIR = "ranks"  # RUN_DIR/ranks/<rank>.pid: "PID ROLE HOST", one file per rank of the current start
 
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = world()
     rank = comm.Get_rank()
+    logs.setup("rank", rank)  # the role is known once the config is read
     args = parse_args(argv)
     setup = None
     try:
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             setup = prepare_run(cfg, layout)
     except (ConfigError, NodeEnvError, RuntimeError, FileNotFoundError, ValueError) as e:
         if rank == 0:
-            print(f"megatron-rl train: {e}", file=sys.stderr)
+            log.error("%s", e)
         setup = {"error": str(e)}
     setup = comm.bcast(setup, root=0)
     if "error" in setup:
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     listener = bind_listener(nodes[first].addr) if rank == first else None
     master_port = comm.bcast(listener.getsockname()[1] if listener else None, root=first)
     role = layout.role(rank)
+    logs.setup(role, rank)
     gpus = assign_gpus([layout.role(r) for r in range(layout.world_size)], nodes, cfg.generator.tp_size)[rank]
     if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -154,12 +158,12 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
         write_summary(run_dir, summary)
         print(json.dumps(summary), flush=True)
         if summary["stopped_early"]:
-            print(f"stopped early and checkpointed; continue with --resume (run dir {run_dir})", file=sys.stderr)
+            log.warning("stopped early and checkpointed; continue with --resume (run dir %s)", run_dir)
     except RunFailed as e:
-        print(f"megatron-rl train: run failed: {e}", file=sys.stderr)
+        log.error("run failed: %s", e)
         code = 1
     except Exception:
-        traceback.print_exc()
+        log.exception("the controller failed")
         code = 1
     finally:
         if controller is not None:

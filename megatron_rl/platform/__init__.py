@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,10 +25,25 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Megatron-Core warns at import, once per module, that Transformer Engine and Apex are missing and it
+# falls back to torch; without CUDA neither can be installed, so on CPU the fallback is the plan.
+_CPU_EXPECTED_WARNINGS = (r"Transformer Engine and Apex are not installed",)
+
+
+def silence_expected_cpu_warnings() -> None:
+    """Ignore Megatron-Core's import warnings that only say this machine has no CUDA (nothing else; on a
+    CUDA machine they stay, since there a missing Transformer Engine is worth a warning)."""
+    if has_cuda():
+        return
+    for message in _CPU_EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron")
+
+
 def ensure_megatron_cpu() -> list[str]:
     """Apply the Megatron-Core CPU shims if there is no GPU; returns the names applied."""
     from . import megatron_cpu
 
+    silence_expected_cpu_warnings()  # before the shims import Megatron-Core's optimizer modules
     return megatron_cpu.apply()
 
 

@@ -41,7 +41,6 @@ def load_problems(args: argparse.Namespace) -> list[Problem]:
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", help="JSONL of {problem_id, response} completions made elsewhere "
                                      "(instead of sampling with an SGLang server)")
-    p.add_argument("--config", help="YAML config: trainer.model, rollout.* sampling, generator.*")
     p.add_argument("--model", help="model to sample from (overrides trainer.model)")
     p.add_argument("--template", default=None, help="system-prompt template (default: data.system_prompt)")
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -58,7 +57,7 @@ def open_sampler(args: argparse.Namespace):
 
     if args.samples:
         return FileSampler(args.samples), (lambda: None)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, getattr(args, "overrides", []))  # trainer.model, rollout.*, generator.*
     model = args.model or cfg.trainer.model
     sampling = {"temperature": args.temperature if args.temperature is not None else cfg.rollout.temperature,
                 "top_p": cfg.rollout.top_p,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_rl.config import RewardConfig
+from megatron_rl.progress import Progress
 from megatron_rl.records import Problem
 
 from .sampling import Completion
@@ -107,8 +108,14 @@ def grade_samples(problems: list[Problem], samples: dict[str, list[Completion]],
             (he_items if is_humaneval(p.task) else pool_items).append((p, j, c))
     verdicts: dict[tuple[str, int], Verdict] = {}
     if pool_items:
-        with VerifierPool(reward, workers=workers) as pool:
-            results = pool.map([(p.task, c.response, c.num_tokens) for p, _, c in pool_items])
+        results = []
+        chunk = max(32, 8 * workers)  # the pool grades a chunk in parallel; the bar moves between chunks
+        with VerifierPool(reward, workers=workers) as pool, \
+                Progress(len(pool_items), "grading", unit="sample") as bar:
+            for at in range(0, len(pool_items), chunk):
+                part = pool_items[at:at + chunk]
+                results += pool.map([(p.task, c.response, c.num_tokens) for p, _, c in part])
+                bar.update(len(part))
         for (p, j, _), r in zip(pool_items, results):
             if r.grading_failed:
                 verdicts[(p.problem_id, j)] = Verdict(False, False, None, str(r.status), gradable=False)
@@ -116,9 +123,13 @@ def grade_samples(problems: list[Problem], samples: dict[str, list[Completion]],
             status = r.details.get("code_status", r.status) if r.format_ok else "format"
             verdicts[(p.problem_id, j)] = Verdict(bool(r.correct), bool(r.format_ok), float(r.total), str(status))
     if he_items:
-        with ThreadPoolExecutor(max(1, workers)) as ex:
-            results = list(ex.map(lambda it: grade_humaneval(it[0].task, it[2].response,
-                                                              reward.code_test_timeout_s * 2.5), he_items))
+        with ThreadPoolExecutor(max(1, workers)) as ex, Progress(len(he_items), "grading", unit="sample") as bar:
+            def one(item):
+                result = grade_humaneval(item[0].task, item[2].response, reward.code_test_timeout_s * 2.5)
+                bar.update(1)
+                return result
+
+            results = list(ex.map(one, he_items))
         for (p, j, _), r in zip(he_items, results):
             verdicts[(p.problem_id, j)] = Verdict(r.passed, r.status != "no_code", None, r.status,
                                                   gradable=r.status != SANDBOX_UNAVAILABLE)

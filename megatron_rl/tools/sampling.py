@@ -10,14 +10,13 @@ Two sources of completions, one interface (`Sampler.sample(problems, k) -> {prob
 from __future__ import annotations
 
 import json
-import sys
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from megatron_rl.data.sources import utf8_lines
+from megatron_rl.progress import Progress
 from megatron_rl.records import Problem
 
 
@@ -84,14 +83,12 @@ class GeneratorSampler:
             self.generator.submit(p.problem_id, render_prompt_ids(self.tokenizer, p, self.template),
                                   group_size=k, sampling=self.sampling)
         out: dict[str, list] = {pid: [None] * k for pid in ids}
-        total, done, t0 = k * len(problems), 0, time.perf_counter()
-        for r in self.generator.completions(timeout=self.timeout_s):
-            text = self.template.assistant_prefix + self.tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-            out[r.group_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
-            done += 1
-            if self.progress and (done % max(1, total // 20) == 0 or done == total):
-                print(f"sampled {done}/{total} completions ({time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
+        with Progress(k * len(problems), "sampling", unit="completion", enabled=self.progress) as bar:
+            for r in self.generator.completions(timeout=self.timeout_s):
+                text = self.template.assistant_prefix + self.tokenizer.decode(r.completion_ids,
+                                                                              skip_special_tokens=True)
+                out[r.group_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
+                bar.update(1)
         missing = [pid for pid, cs in out.items() if any(c is None for c in cs)]
         if missing:
             raise RuntimeError(f"{len(missing)} problems did not get {k} samples: {missing[:5]}")

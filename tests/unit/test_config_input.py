@@ -88,7 +88,7 @@ def test_an_unusable_file_names_the_file(text, words, tmp_path, capsys):
 def test_a_bad_override_names_the_key(override, key, words, with_file, tmp_path, capsys):
     argv = ["config", str(_write(tmp_path, "trainer:\n  lr: 1.0e-6\n")), override] if with_file else ["config", override]
     msg = _one_line_error(argv, capsys)
-    assert msg.startswith(f"config error: {key}:") and words in msg, msg  # the key the user typed, not the file
+    assert f"[config] ERROR config error: {key}:" in msg and words in msg, msg  # the key typed, not the file
 
 
 def test_a_value_error_of_a_valid_file_names_its_line(tmp_path, capsys):

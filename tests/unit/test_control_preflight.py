@@ -95,7 +95,7 @@ def test_train_command_refuses_before_launching_any_rank(problem_files, bwrap_di
                        capture_output=True, text=True, timeout=300)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
-    assert lines[0].startswith("megatron-rl train: ") and "No permissions to creating new namespace" in lines[0]
+    assert "[train] ERROR " in lines[0] and "No permissions to creating new namespace" in lines[0]
     assert not (tmp_path / "run").exists()  # nothing started
 
 

@@ -39,7 +39,7 @@ def _contents(folder: Path) -> dict[str, bytes]:
 
 def _one_error_line(capsys) -> str:
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("convert:")]
+    lines = [line for line in err.splitlines() if "[convert] ERROR " in line]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 

@@ -1,0 +1,104 @@
+"""What the `megatron-rl` subcommands share on their command lines: the config argument convention,
+`key=value` overrides anywhere after the command, the help formatter that shows defaults, and the
+options every command takes (`--log-level`, `--quiet`).
+
+The convention: a command that reads the run config takes it as its first positional argument
+`CONFIG` (optional where the defaults make sense), and dotted overrides such as `run.updates=30` may
+stand anywhere after the command name, before or after its options. `--config PATH` is still accepted,
+with a warning, by the commands that used to take it (reward, evaluate, filter difficulty).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import shutil
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after each option's help, except where there is nothing to show (no default, a flag
+    off by default) or the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or default == [] or "default" in text.lower()
+                or text == argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def add_config_argument(parser: argparse.ArgumentParser, *, required: bool, overrides: bool = True,
+                        alias: bool = False) -> None:
+    """The run config as the first positional `CONFIG`, and the positional overrides (listed in the
+    usage; `split_overrides` hands them over wherever they stood)."""
+    parser.add_argument("config", metavar="CONFIG", nargs=None if required else "?",
+                        help="YAML run config" if required else "YAML run config (the defaults when omitted)")
+    if alias:
+        parser.add_argument("--config", dest="config_option", metavar="CONFIG",
+                            help="deprecated spelling of the positional CONFIG")
+    if overrides:
+        parser.add_argument("overrides", nargs="*", metavar="key=value",
+                            help="dotted config overrides, anywhere after the command, e.g. run.updates=30")
+    else:
+        parser.set_defaults(overrides=[])
+
+
+@lru_cache(maxsize=1)
+def _override_pattern() -> re.Pattern:
+    from megatron_rl.config import Config
+
+    sections = "|".join(f.name for f in dataclasses.fields(Config))
+    return re.compile(rf"^(?:{sections})\.[A-Za-z_][\w.]*=")
+
+
+def is_override(token: str) -> bool:
+    """`section.key=value` with a real config section (so an option's value such as
+    `pareto:low=500` or a path with `=` in it is never taken for one)."""
+    return bool(_override_pattern().match(token))
+
+
+def split_overrides(argv: list[str], commands: set[str]) -> tuple[list[str], list[str]]:
+    """(argv without the overrides that follow the command name, those overrides in order)."""
+    at = next((i for i, token in enumerate(argv) if token in commands), None)
+    if at is None:
+        return list(argv), []
+    rest, overrides = [], []
+    for i, token in enumerate(argv):
+        if i > at and token != "--" and is_override(token):
+            overrides.append(token)
+        else:
+            rest.append(token)
+    return rest, overrides
+
+
+def add_common_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """--log-level and --quiet on the top parser and on every leaf subcommand (so either place works)."""
+    default = None if top else argparse.SUPPRESS  # a leaf's absent flag must not undo the top one's
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                        default=default, help="log level (default: $MEGATRON_RL_LOG_LEVEL, else INFO)")
+    parser.add_argument("-q", "--quiet", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="no progress bars (they are also off when stderr is not a terminal)")
+
+
+def leaf_parsers(parser: argparse.ArgumentParser):
+    """Every parser of the tree, leaves last-level included (for shared options and the formatter)."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from leaf_parsers(sub)
+
+
+def has_subcommands(parser: argparse.ArgumentParser) -> bool:
+    return any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+
+
+def venv_tool(name: str) -> str | None:
+    """A program of this Python's environment (next to sys.executable: the mpich wheel's mpiexec, found
+    whether or not the venv is activated), else the one on PATH; None when neither exists."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.commands.common import add_config_argument, venv_tool
+from megatron_rl.log import get_logger
+
+log = get_logger(__name__)
+
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config (e.g. examples/cpu_demo.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.updates=10")
+    add_config_argument(parser, required=True)
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in run.output_dir from its checkpoint (= run.resume=require)")
 
@@ -29,8 +32,7 @@ def _inside_mpi_job() -> bool:
 
 
 def _mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
+    found = venv_tool("mpiexec")
     if not found:
         raise FileNotFoundError("mpiexec not found (./dev setup installs the mpich wheel)")
     return found
@@ -53,15 +55,15 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         layout = RankLayout.from_config(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        log.error("config error: %s", e)
         return 1
     try:  # before any rank starts: a model not here, a problem set that cannot load, ungradable code tasks
         check_code_sandbox(cfg)
     except (DataError, SandboxUnavailable, ModelUnavailable) as e:
-        print(f"megatron-rl train: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     cmd = [_mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "megatron_rl.control.main", *rank_args]
-    print(f"launching {layout.world_size} ranks: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    log.info("launching %d ranks: %s", layout.world_size, " ".join(cmd))
     # mpiexec runs in its own session and gets each SIGINT/SIGTERM exactly once, from us: it forwards
     # it to the ranks, the controller checkpoints and stops them, and we return its exit status.
     proc = subprocess.Popen(cmd, start_new_session=True)
@@ -69,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda sig, frame: proc.send_signal(sig))
     status = proc.wait()
     if status != 0:
-        print(ended_message(Path(cfg.run.output_dir), args.config, status), file=sys.stderr, flush=True)
+        log.error("%s", ended_message(Path(cfg.run.output_dir), args.config, status))
     return status
 
 

@@ -282,6 +282,9 @@ class RunConfig:
     output_dir: str = "runs/default"
     updates: int = 100  # trainer updates (each = n_mini optimizer steps)
     checkpoint_every: int = 10
+    # Checkpoints kept in output_dir/checkpoints: after each save all but the newest this many are
+    # deleted (0 or null: keep all).
+    keep_checkpoints: int | None = 3
     # One metrics line per log_every updates, plus one for the final update (and the last before a stop);
     # each line summarises the updates since the previous line.
     log_every: int = 1
@@ -309,6 +312,8 @@ class RunConfig:
               "must include jsonl (metrics.jsonl is the run's record: resume and `megatron-rl plot` read it)")
         check(len(set(self.loggers)) == len(self.loggers), f"{key}.loggers", f"names a logger twice: {self.loggers}")
         check(self.checkpoint_every >= 0, f"{key}.checkpoint_every", "must be >= 0 (0 = only at the end)")
+        check(self.keep_checkpoints is None or self.keep_checkpoints >= 0, f"{key}.keep_checkpoints",
+              "must be >= 0 (0 or null = keep all)")
         check(self.log_every >= 1, f"{key}.log_every", "must be >= 1")
         check(self.eval_every >= 0, f"{key}.eval_every", "must be >= 0 (0 = no evaluation)")
         check(self.eval_every % self.log_every == 0, f"{key}.eval_every",

@@ -151,11 +151,13 @@ class RolloutConfig:
     max_new_tokens: int = 4096
     temperature: float = 1.0
     top_p: float = 1.0
-    # Bound on (trainer version - oldest token version); older rollouts are handled by stale_policy.
+    # Bound on the staleness of a trained group: the mean over its tokens of (batch version - the version that
+    # sampled the token). A group is only started while it can be consumed within it: samples committed
+    # (started, not yet trained) + G <= (max_staleness + 1 - batches not yet served) * n_batch (docs/control.md).
     max_staleness: int = 4
-    # drop: stale groups are dropped and their problems re-queued. reweight: they are kept and trained with
-    # the decoupled objective (needs algo.proximal: trainer and algo.tis_cap): each token's importance weight
-    # exp(proximal - behaviour), which grows with the version lag, truncated at tis_cap.
+    # What happens to a group that still exceeds the bound (overtaken by shorter ones): drop: dropped and its
+    # problem re-queued. reweight: kept and trained with the decoupled objective (needs algo.proximal: trainer
+    # and algo.tis_cap): each token's importance weight exp(proximal - behaviour), truncated at tis_cap.
     stale_policy: Literal["drop", "reweight"] = "drop"
     # Stages by update index, "UPDATE:TOKENS" or "UPDATE:TOKENS:L_MAX:L_CACHE" (e.g. ["0:2048", "100:4096"]):
     # from update UPDATE on, requests get max_new_tokens = TOKENS and their rollouts are graded with the

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.sync.buckets import bucketize, empty_like_manifest, layout, plan_buckets, unflatten
 from megatron_rl.sync.group import _join, free_port
-from megatron_rl.sync.pipeline import BucketStream, receive_buckets
+from megatron_rl.sync.pipeline import BucketStream, BufferPool, receive_buckets
 
 TENSOR_MB = 4  # model tensors of 4 MB each (a 1024 x 1024 fp32 matrix)
 TIMEOUT = timedelta(seconds=600)
@@ -68,7 +68,7 @@ def _settle(device):
 
 
 # ------------------------------------------------------------------ receiver
-def receiver(args, ports, device_name):
+def receiver(args, ports, device_name, cpu_out):
     torch.set_num_threads(1)
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -77,19 +77,24 @@ def receiver(args, ports, device_name):
     groups = {(s, r): _join(args.backend, "127.0.0.1", ports[(s, r)], 2, 1, f"bench-{s}-{r}", TIMEOUT)
               for s in args.senders for r in range(s)}
     raw_buf = {s: torch.zeros(_bytes(named) // s + 1, dtype=torch.uint8, device=device) for s in args.senders}
+    pools = {key: BufferPool(device) for key in groups}  # long-lived, like a receiver's
+    cpu = []
     for s, mb, path in schedule(args):
         threads = [threading.Thread(target=_receive_one, args=(shard(named, s, r), mb, path, groups[(s, r)],
-                                                                raw_buf[s], device)) for r in range(s)]
+                                                                raw_buf[s], device, pools[(s, r)])) for r in range(s)]
+        c0 = time.process_time()
         [t.start() for t in threads]
         [t.join() for t in threads]
+        cpu.append(time.process_time() - c0)
+    cpu_out.put(cpu)  # plain floats: CPU seconds of each trial, all threads of this process
 
 
-def _receive_one(named, mb, path, pg, raw_buf, device):
+def _receive_one(named, mb, path, pg, raw_buf, device, pool):
     params = dict(named)
     manifests = [layout(g) for g in plan_buckets(named, int(mb * (1 << 20)))]  # from shapes alone
     _signal(pg, device)  # ready
     if path == "overlapped":
-        receive_buckets(pg, manifests, params, device)
+        receive_buckets(pg, manifests, params, device, pool=pool)
     elif path == "serial":
         for metas in manifests:
             b = empty_like_manifest(metas, device)
@@ -107,10 +112,10 @@ def _bytes(named):
 
 
 # ------------------------------------------------------------------ sender
-def _send_one(named, mb, path, pg, raw_buf, device):
+def _send_one(named, mb, path, pg, raw_buf, device, pool):
     _signal(pg, device)
     if path == "overlapped":
-        for b in BucketStream(named, int(mb * (1 << 20)), device):
+        for b in BucketStream(named, int(mb * (1 << 20)), device, pool=pool):
             dist.broadcast(b.flat, group=pg, group_src=0)
     elif path == "serial":
         for b in bucketize(named, int(mb * (1 << 20))):
@@ -121,9 +126,9 @@ def _send_one(named, mb, path, pg, raw_buf, device):
     _signal(pg, device)
 
 
-def run_trial(named, s, mb, path, groups, raw_buf, device) -> float:
+def run_trial(named, s, mb, path, groups, raw_buf, device, pools) -> float:
     threads = [threading.Thread(target=_send_one, args=(shard(named, s, r), mb, path, groups[(s, r)],
-                                                         raw_buf[s], device)) for r in range(s)]
+                                                         raw_buf[s], device, pools[(s, r)])) for r in range(s)]
     t0 = time.perf_counter()  # includes the ready handshake: one tiny broadcast, the same in every path
     [t.start() for t in threads]
     [t.join() for t in threads]
@@ -167,31 +172,44 @@ def main() -> None:
     torch.set_num_threads(1)
     device = torch.device(devs[0])
     ports = {(s, r): free_port() for s in args.senders for r in range(s)}
-    proc = mp.get_context("spawn").Process(target=receiver, args=(args, ports, devs[1]))
+    ctx = mp.get_context("spawn")
+    cpu_out = ctx.Queue()
+    proc = ctx.Process(target=receiver, args=(args, ports, devs[1], cpu_out))
     proc.start()
     named = model(args.total_mb, device)
     total = _bytes(named)
     groups = {(s, r): _join(args.backend, "127.0.0.1", ports[(s, r)], 2, 0, f"bench-{s}-{r}", TIMEOUT)
               for s in args.senders for r in range(s)}
     raw_buf = {s: torch.zeros(total // s + 1, dtype=torch.uint8, device=device) for s in args.senders}
+    pools = {key: BufferPool(device) for key in groups}  # long-lived, like a WeightSender's
     best: dict[tuple, float] = {}
+    cpu: dict[tuple, float] = {}
+    sender_cpu = []
     for s, mb, path in schedule(args):
-        sec = run_trial(named, s, mb, path, groups, raw_buf, device)
+        c0 = time.process_time()
+        sec = run_trial(named, s, mb, path, groups, raw_buf, device, pools)
+        sender_cpu.append(time.process_time() - c0)
         best[(s, mb, path)] = min(best.get((s, mb, path), float("inf")), sec)
+    for key, c_send, c_recv in zip(schedule(args), sender_cpu, cpu_out.get()):
+        cpu[key] = min(cpu.get(key, float("inf")), c_send + c_recv)
     proc.join()
-    report(args, best, total, devs)
+    report(args, best, cpu, total, devs)
 
 
-def report(args, best, total, devs) -> None:
+def report(args, best, cpu, total, devs) -> None:
+    """GB/s (wall), and CPU seconds per GB moved (both processes, all threads): with C cores a path
+    cannot beat C / (CPU s/GB) GB/s, which is what bounds it on a small CPU-only machine."""
     gbs = {k: total / v / 1e9 for k, v in best.items()}
+    cpg = {k: v / (total / 1e9) for k, v in cpu.items()}
     print(f"payload {total / 2**20:.0f} MB in {total // (TENSOR_MB << 20)} tensors of {TENSOR_MB} MB; "
           f"{args.backend} {devs[0]} -> {devs[1]}; {os.cpu_count()} cores; best of {args.reps}")
-    head = "".join(f" {p + ' GB/s':>15} {p[:4] + '/raw':>8}" for p in args.paths)
-    print(f"{'bucket MB':>9} {'senders':>7} {'raw GB/s':>9}{head}")
+    head = "".join(f" {p + ' GB/s':>15} {p[:4] + '/raw':>8} {'CPU s/GB':>8}" for p in args.paths)
+    print(f"{'bucket MB':>9} {'senders':>7} {'raw GB/s':>9} {'CPU s/GB':>8}{head}")
     for s in args.senders:
         for mb in args.buckets:
-            row = "".join(f" {gbs[(s, mb, p)]:15.2f} {gbs[(s, mb, p)] / gbs[(s, mb, 'raw')]:8.2f}" for p in args.paths)
-            print(f"{mb:9.0f} {s:7d} {gbs[(s, mb, 'raw')]:9.2f}{row}")
+            row = "".join(f" {gbs[(s, mb, p)]:15.2f} {gbs[(s, mb, p)] / gbs[(s, mb, 'raw')]:8.2f}"
+                          f" {cpg[(s, mb, p)]:8.2f}" for p in args.paths)
+            print(f"{mb:9.0f} {s:7d} {gbs[(s, mb, 'raw')]:9.2f} {cpg[(s, mb, 'raw')]:8.2f}{row}")
     if len(args.senders) > 1:
         lo, hi = min(args.senders), max(args.senders)
         print(f"speed-up of {hi} senders over {lo} (same path, same bucket size):")

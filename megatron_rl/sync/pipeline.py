@@ -45,9 +45,10 @@ def _acquire(sem: threading.Semaphore, stop: threading.Event | None) -> None:
             raise _Stopped()
 
 
-class _Buffers:
-    """Reusable uint8 buffers on one device, grown to the largest bucket asked for; `take` is
-    only called with a slot held, so one is always free then."""
+class BufferPool:
+    """Reusable uint8 buffers on one device, grown to the largest bucket asked for. Keep one across
+    pushes (a `WeightSender` does): on CPU a fresh buffer costs its page faults, measured at 5-6x
+    the copy into it (docs/rollout.md), on every bucket or at least every push."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -72,12 +73,14 @@ class BucketStream:
     filled, so an exporter that materialises tensors one by one never holds much more than that."""
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 device: torch.device | str = "cpu", buffers: int = 2):
+                 device: torch.device | str = "cpu", buffers: int = 2, pool: BufferPool | None = None):
         if buffers < 2:
             raise ValueError(f"a double-buffered stream needs >= 2 buffers, got {buffers}")
         self.device = torch.device(device)
+        if pool is not None and pool.device != self.device:
+            raise ValueError(f"buffer pool on {pool.device}, stream on {self.device}")
         self._named, self._bucket_bytes = named, bucket_bytes
-        self._buffers = _Buffers(self.device)
+        self._buffers = pool or BufferPool(self.device)
         self._slots = threading.Semaphore(buffers)
         self._ready: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -131,12 +134,14 @@ class BucketStream:
 
 
 def receive_buckets(group: dist.ProcessGroup, manifests: Iterable[list[TensorMeta]],
-                    params: dict[str, torch.Tensor], device: torch.device | str = "cpu", src: int = 0) -> int:
+                    params: dict[str, torch.Tensor], device: torch.device | str = "cpu", src: int = 0,
+                    pool: BufferPool | None = None) -> int:
     """Receive buckets broadcast by group rank `src` into `params` (by name); bytes received.
 
-    Double buffered: bucket k+1's broadcast is in flight while bucket k is copied out."""
+    Double buffered: bucket k+1's broadcast is in flight while bucket k is copied out, so at most
+    two buffers exist: the one being received, the one being copied out."""
     device = torch.device(device)
-    buffers = _Buffers(device)  # at most two buckets exist: the one received, the one copied out
+    buffers = pool or BufferPool(device)
     pending: tuple | None = None
     total = 0
     for metas in manifests:
@@ -163,7 +168,7 @@ def _direct_target(metas: list[TensorMeta], params: dict[str, torch.Tensor]) -> 
     return as_bytes(p)
 
 
-def _finish(pending: tuple, params: dict[str, torch.Tensor], buffers: _Buffers) -> None:
+def _finish(pending: tuple, params: dict[str, torch.Tensor], buffers: BufferPool) -> None:
     work, bucket, buf = pending
     work.wait()
     if buf is None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_rl.rollout.client import SGLangClient
 from megatron_rl.sync.buckets import Bucket
 from megatron_rl.sync.group import close_update_group, default_backend, open_update_group
-from megatron_rl.sync.pipeline import BucketStream
+from megatron_rl.sync.pipeline import BucketStream, BufferPool
 
 
 class WeightSyncError(RuntimeError):
@@ -85,6 +85,7 @@ class WeightSender:
         self.group_prefix = group_prefix
         self.address = address  # this sender's node address: the update groups rendezvous here
         self._links: list[_Link] = []
+        self._pool = BufferPool(self.device)  # two buckets' buffers, kept from push to push
         self.retarget(targets)
 
     # ---------------------------------------------------------------- groups
@@ -122,7 +123,7 @@ class WeightSender:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(self._links)) as pool:
             # bucket k+1 is converted and packed (producer thread) while bucket k is on the wire
-            for bucket in BucketStream(named_tensors, self.bucket_bytes, self.device):
+            for bucket in BucketStream(named_tensors, self.bucket_bytes, self.device, pool=self._pool):
                 for retries in pool.map(lambda l: self._send_bucket(l, bucket), self._links):
                     report.retries += retries
                 report.names += bucket.names

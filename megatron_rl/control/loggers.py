@@ -26,6 +26,7 @@ import yaml
 
 from megatron_rl.config import RunConfig
 from megatron_rl.control.metrics import METRICS_FILE, JsonlWriter
+from megatron_rl.control.protocol import RunFailed
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 # Not sent as scalars: the step itself, and the wall-clock stamp every backend records on its own.
@@ -45,11 +46,12 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 
 
 def check_installed(names: list[str]) -> None:
-    """Fail at the start of a run, not at its first metrics line, when a logger's package is missing."""
+    """Fail at the start of a run, not at its first metrics line, when a logger's package is missing
+    (RunFailed: the controller reports it in one line and stops the workers)."""
     for name in names:
         package = PACKAGES.get(name)
         if package and importlib.util.find_spec(package) is None:
-            raise RuntimeError(f"run.loggers: {name} needs the package '{package}', which is not installed "
+            raise RunFailed(f"run.loggers: {name} needs the package '{package}', which is not installed "
                                f"(pip install 'megatron-rl[loggers]', or remove {name} from run.loggers)")
 
 

@@ -3,6 +3,7 @@ read back with each tool's own reader; a resumed run continues in the same place
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,9 @@ def test_wandb_offline_run_holds_the_metrics_lines_and_a_resume_continues_its_id
     monkeypatch.setenv("WANDB_API_KEY", "")  # nothing to log in with: offline or fail
     _write(tmp_path, ["jsonl", "wandb"], [_row(u) for u in (1, 2)])
     run_id = (tmp_path / "wandb" / "run_id").read_text().strip()
+    started = int(time.time())
+    while int(time.time()) == started:  # W&B names a run's directory by the second it started
+        time.sleep(0.05)
     _write(tmp_path, ["jsonl", "wandb"], [_row(3)], cut_after=2)
     runs = sorted(p.name for p in (tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs)  # one W&B run, resumed
@@ -102,3 +106,24 @@ def test_mlflow_run_read_back_by_its_client_holds_the_metrics_lines_and_a_resume
         got = {m.step: m.value for m in client.get_metric_history(run_id, mlflow_name(key))}
         assert got == by_step, key
     assert [a.path for a in client.list_artifacts(run_id)] == ["config.yaml"]
+
+
+def test_the_controllers_metrics_lines_reach_tensorboard(tmp_path):
+    """The training loop's path: the controller's run log sends each line it writes to run.loggers."""
+    from megatron_rl.control.controller import Controller
+    from megatron_rl.control.layout import RankLayout
+    from megatron_rl.records import Problem, Rollout
+
+    cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "updates": 3, "loggers": ["jsonl", "tensorboard"]},
+                            "data": {"source": "jsonl", "path": "unused.jsonl"}})
+    ctrl = Controller(None, cfg, RankLayout(1, 1, 1), tmp_path, [Problem("p", "q", {"kind": "math"})], None)
+    for u in (1, 2, 3):
+        ctrl.log.window.graded += [Rollout("g#1", 0, [1], [5] * u, [-1.0] * u, [0] * u, "stop", reward=u / 3,
+                                           reward_components={"format_ok": 1.0, "correct": u % 2})]
+        ctrl.updates_done = ctrl.version = u
+        ctrl.log.train = {"version": u, "loss": 1.0 / u, "entropy": 2.0 - u / 10, "grad_norm": float(u)}
+        ctrl._write_metrics()
+    ctrl.log.close()
+    scalars = tensorboard_scalars(tmp_path)
+    assert sorted(scalars["train/entropy"]) == [1, 2, 3] and "pass_rate" in scalars
+    assert_same(scalars, jsonl_numbers(tmp_path))

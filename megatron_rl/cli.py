@@ -40,7 +40,8 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_rl.commands.common import DefaultsHelpFormatter, add_common_options, has_subcommands, leaf_parsers
+    from megatron_rl.commands.common import (DefaultsHelpFormatter, add_common_options, has_subcommands, leaf_parsers,
+                                             show_defaults_without_help)
 
     parser = argparse.ArgumentParser(
         prog="megatron-rl", formatter_class=DefaultsHelpFormatter,
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     for p in leaf_parsers(parser):
         p.formatter_class = DefaultsHelpFormatter
+        show_defaults_without_help(p)
         if p is not parser and not has_subcommands(p):
             add_common_options(p, top=False)
     return parser

@@ -18,6 +18,11 @@ from functools import lru_cache
 from pathlib import Path
 
 
+def _shows(default) -> bool:
+    """A default worth printing: not None, an off flag, SUPPRESS or an empty list (0 and 0.0 are)."""
+    return not (default is None or default is False or default is argparse.SUPPRESS or default == [])
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`(default: X)` after each option's help, except where there is nothing to show (no default, a flag
     off by default) or the help already says its default."""
@@ -25,10 +30,17 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default in (None, False, argparse.SUPPRESS) or default == [] or "default" in text.lower()
-                or text == argparse.SUPPRESS):
+        if not _shows(default) or "default" in text.lower() or text == argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
+
+
+def show_defaults_without_help(parser: argparse.ArgumentParser) -> None:
+    """argparse prints nothing for an option without help text, not even its default: give those a help
+    that is their default."""
+    for action in parser._actions:
+        if action.help is None and _shows(action.default):
+            action.help = "default: %(default)s"
 
 
 def add_config_argument(parser: argparse.ArgumentParser, *, required: bool, overrides: bool = True,

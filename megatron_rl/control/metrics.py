@@ -184,16 +184,21 @@ class Progress:
     """A one-line progress display on stderr (a bar when stderr is a terminal, lines otherwise)."""
 
     def __init__(self, total: int, start: int = 0):
-        self.total, self.done, self.t0 = total, start, time.time()
+        self.total, self.done, self.start, self.t0 = total, start, start, time.time()
         self.tty = sys.stderr.isatty()
 
     def update(self, done: int, info: dict[str, float]) -> None:
+        from megatron_rl.progress import eta_text, quiet
+
         self.done = done
+        if quiet():  # --quiet: metrics.jsonl and the loggers only
+            return
         elapsed = time.time() - self.t0
+        eta = eta_text(done - self.start, self.total - self.start, elapsed)  # from this start's own pace
         width = 24
         filled = int(width * done / max(1, self.total))
         shown = "  ".join(f"{k}={v:.3g}" for k, v in info.items())
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {elapsed:6.0f}s  {shown}"
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {elapsed:6.0f}s {eta}  {shown}"
         sys.stderr.write(("\r" + line + " " * 4) if self.tty else line + "\n")
         sys.stderr.flush()
 

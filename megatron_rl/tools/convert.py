@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.progress import CountingMapping, Progress
 from megatron_rl.train.parallel import ParallelLayout, init_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -133,7 +134,9 @@ def hf_to_megatron(source: str | Path, root: str | Path, layout: ParallelLayout 
     config = src.config()
     torch_dtype = _dtype_of_name(dtype) or _hf_dtype(config)
     chunks = build_model(config, layout, torch_dtype)
-    load_hf_weights(chunks, src.tensors())
+    tensors = src.tensors()
+    with Progress(len(tensors), "reading HF tensors", unit="tensor", enabled=_rank() == 0) as bar:
+        load_hf_weights(chunks, CountingMapping(tensors, bar))
     root = Path(root)
     if _rank() == 0:
         save_hf_meta(src, root / "hf_config")
@@ -175,6 +178,16 @@ def find_hf_config(ckpt: Path, hf_config: str | Path | None):
                           f"(model directory or name) the checkpoint was trained from")
 
 
+def _export_bytes(chunks, dtype: torch.dtype) -> int:
+    """About what this rank's stage exports (TP-split parameters counted whole; vocab padding included),
+    the progress bar's total."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for c in chunks for p in c.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
 def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: ParallelLayout = ParallelLayout(dp=0),
                    hf_config: str | Path | None = None, dtype: str | None = None,
                    max_shard_bytes: int = 2 << 30, backend: str | None = None,
@@ -213,11 +226,15 @@ def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: Parallel
         for stale in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")):
             stale.unlink()  # a previous export's shards would be mixed with these
     _barrier()
+    bar = Progress(_export_bytes(chunks, out_dtype), "writing HF shards", unit="B", unit_scale=True,
+                   enabled=writer is not None and _rank() == 0)
     for name, tensor in export_hf_tensors(chunks, dtype=out_dtype):  # every TP rank iterates (gather)
         if writer is not None:
             writer.add(name, tensor)
             n += 1
+            bar.update(tensor.numel() * tensor.element_size())
         del tensor
+    bar.close()
     weight_map = writer.close() if writer is not None else {}
     total = writer.total_bytes if writer is not None else 0
     peak = writer.peak_buffer_bytes if writer is not None else 0

@@ -113,3 +113,20 @@ def test_overlapped_push_over_gloo_is_bit_identical_to_serial():
     assert proc.exitcode == 0
     for n, t in named:  # the receiver compared with its own copy of the same seeded tensors
         assert got[n] == (str(t.dtype), tuple(t.shape), True, True), n
+
+
+def test_pool_kept_across_pushes_reuses_its_buffers_and_stays_exact():
+    from megatron_rl.sync.pipeline import BufferPool
+
+    named = _mixed()
+    pool = BufferPool(torch.device("cpu"))
+    pushes = [[(b.metas, b.flat.clone(), b.flat.data_ptr()) for b in BucketStream(named, BUCKET, pool=pool)]
+              for _ in range(2)]
+    serial = _serial(named)
+    for push in pushes:
+        assert len(push) == len(serial)
+        assert all(m0 == m1 and torch.equal(f0, f1) for (m0, f0, _), (m1, f1) in zip(push, serial))
+    own = {dict(named)["big"].data_ptr()}
+    assert {p for _, _, p in pushes[1]} - own <= {p for _, _, p in pushes[0]} - own  # no new buffers
+    with pytest.raises(ValueError, match="pool"):
+        BucketStream(named, BUCKET, device="meta", pool=pool)

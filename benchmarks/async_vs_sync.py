@@ -8,16 +8,20 @@ Same hardware, model, prompts and heavy-tailed completion lengths in both modes:
   `--train-core` (so are this process's HTTP client threads); weights pushed in place after every
   update with `sync.update.push_in_process` (`WeightSender`, gloo) from the trainer's HF export;
 - bookkeeping: the controller's own `RolloutBudget` (groups, staleness bound, batches).
-Sync: issue the groups of one batch, wait for all of them, train, push. Async: keep `n_async`
-sequences in flight; the trainer (a thread) trains whenever `n_batch` are ready, then pushes while
-generation continues. Throughput = trained sequences (tokens) / wall time over updates after
-`--warmup`. The simulator (`megatron_rl.control.simulate`) is then calibrated on this run's
-measured rates (decode tokens/s measured at several concurrencies and fitted with
-peak * c / (c + c_half), the trainer's time per update against its tokens,
-the push time) and its async / sync ratio is printed next to the measured one.
+Sync: issue the groups of one batch, wait for all of them, train, push. Async: keep up to `n_async`
+sequences in flight, as the budget admits them (staleness admission, `RolloutBudget.free_group_slots`);
+the trainer trains whenever `n_batch` are ready (groups with the oldest tokens first), then pushes
+while generation continues. Throughput = trained sequences (tokens) / wall time over updates after
+`--warmup`; per mode also the token staleness of the trained batches, the groups dropped as stale, the
+mean length of trained / all completed samples (length bias), the generator's CPU use (its server's
+processes) and the trainer's busy share (train + push). The simulator (`megatron_rl.control.simulate`)
+is then calibrated on this run's measured rates (decode tokens/s measured at several concurrencies and
+fitted with peak * c / (c + c_half), the trainer's time per update against its tokens, the push
+time), run for this layout and for a scaled-out one (--sim-generators generators, --sim-trainers
+data-parallel trainers, lengths --sim-ratio x), and printed next to the measured figures.
 
-    .venv/bin/python benchmarks/async_vs_sync.py            # ~3 minutes on 2 cores
-    .venv/bin/python benchmarks/async_vs_sync.py --updates 8 --n-async 64 --low 32
+    .venv/bin/python benchmarks/async_vs_sync.py            # ~6 minutes on 2 idle cores
+    .venv/bin/python benchmarks/async_vs_sync.py --updates 3 --warmup 1   # a quick look
 """
 from __future__ import annotations
 
@@ -45,8 +49,14 @@ class ModeResult:
     seconds: float = 0.0
     train: list[tuple[int, float]] = field(default_factory=list)  # (tokens incl. prompt, seconds)
     push: list[float] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # per trained token: batch version - its version
     dropped_frac: float = 0.0  # groups dropped as stale / groups completed (whole phase)
+    length_ratio: float = 1.0  # mean completion length: trained / all graded (RolloutBudget.length_stats)
+    trainer_busy_s: float = 0.0  # training + pushing, measured updates
+    gen_cpu_s: float = 0.0  # CPU seconds of the SGLang server's processes over the measured window
+
+    def utilisation(self) -> str:
+        return f"{self.gen_cpu_s / self.seconds:.0%} / {self.trainer_busy_s / self.seconds:.0%}"
 
     @property
     def seq_s(self) -> float:
@@ -109,9 +119,10 @@ class Bench:
         res.train.append((tokens, t1 - t0))
         res.push.append(t2 - t1)
         if measured:
+            res.trainer_busy_s += t2 - t0
             res.seqs += len(batch.sequences)
             res.tokens += sum(s.completion_len for s in batch.sequences)
-            res.staleness += [batch.policy_version - min(s.weight_versions) for s in batch.sequences]
+            res.staleness += [batch.policy_version - v for s in batch.sequences for v in s.weight_versions]
 
     def run_sync(self, updates: int, warmup: int) -> ModeResult:
         from megatron_rl.control.budget import RolloutBudget
@@ -128,9 +139,10 @@ class Bench:
                 batch = budget.take_batch(self.trainer.version)
             self._update(batch, res, measured=u >= warmup)
             if u + 1 == warmup:
-                t_start = time.perf_counter()
+                t_start, res.gen_cpu_s = time.perf_counter(), -self._gen_cpu_s()
         res.seconds = time.perf_counter() - t_start
-        res.dropped_frac = budget.counters.groups_dropped_stale / max(1, budget.counters.groups_completed)
+        res.gen_cpu_s += self._gen_cpu_s()
+        _close_phase(res, budget)
         return res
 
     def run_async(self, updates: int, warmup: int) -> ModeResult:
@@ -168,16 +180,33 @@ class Bench:
                     if batch is None:
                         time.sleep(0.005)
                 self._update(batch, res, measured=u >= warmup)  # generation goes on meanwhile
+                with lock:
+                    budget.weights_served(self.trainer.version)  # admission: new samples start on them
                 if u + 1 == warmup:
-                    t_start = time.perf_counter()
+                    t_start, res.gen_cpu_s = time.perf_counter(), -self._gen_cpu_s()
             res.seconds = time.perf_counter() - t_start
+            res.gen_cpu_s += self._gen_cpu_s()
         finally:
             stop.set()
             worker.join()
-        res.dropped_frac = budget.counters.groups_dropped_stale / max(1, budget.counters.groups_completed)
+        _close_phase(res, budget)
         while budget.in_flight:  # drain so the next phase starts on an idle server
             self._graded(budget, timeout=600)
         return res
+
+    def _gen_cpu_s(self) -> float:
+        """CPU seconds used so far by the generator's server and its child processes (its core's busy time)."""
+        import psutil
+
+        root = psutil.Process(self.gen.server.proc.pid)
+        total = 0.0
+        for proc in [root] + root.children(recursive=True):
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
 
     def _round(self, c: int, tokens: int) -> float:
         t0 = time.perf_counter()
@@ -202,7 +231,20 @@ class Bench:
         return table, statistics.median(starts)
 
 
+def _close_phase(res: ModeResult, budget) -> None:
+    c = budget.counters
+    res.dropped_frac = c.groups_dropped_stale / max(1, c.groups_completed)
+    res.length_ratio = budget.length_stats().get("length/trained_vs_completed", 1.0)
+
+
 def simulated(args, table, prefill_s: float, sync: ModeResult, asyn: ModeResult):
+    """The simulator calibrated on this run: its 1-generator / 1-trainer layout, and the same rates
+    scaled out to --sim-generators generators and --sim-trainers data-parallel trainers (each trainer
+    takes n_batch sequences per update: n_batch x trainers in all; n_async keeps its ratio to n_batch;
+    the per-update trainer overhead and the push time are kept as measured) with Pareto lengths whose
+    longest is --sim-ratio x the shortest."""
+    from dataclasses import replace
+
     from megatron_rl.control.simulate import DecodeModel, LengthDist, SimParams, compare
     from megatron_rl.control.simulate_calibration import fit_line
 
@@ -217,7 +259,43 @@ def simulated(args, table, prefill_s: float, sync: ModeResult, asyn: ModeResult)
                   n_mini=args.n_mini, group=args.group, prompt_len=args.prompt_len,
                   lengths=LengthDist("pareto", low=args.low, ratio=args.ratio, alpha=args.alpha),
                   max_staleness=args.max_staleness, updates=200, warmup_updates=20, seed=args.seed)
-    return p, compare(p)
+    n_batch = args.n_batch * args.sim_trainers
+    big = replace(p, generators=args.sim_generators, train_b_s=b / args.sim_trainers, n_batch=n_batch,
+                  n_async=n_batch * args.n_async // args.n_batch, updates=60, warmup_updates=10,
+                  lengths=replace(p.lengths, ratio=args.sim_ratio))
+    return p, compare(p), big, compare(big)
+
+
+def report(args, params, sim, big, big_sim, sync: ModeResult, asyn: ModeResult) -> None:
+    print(f"\nworkload: G={args.group}, n_batch={args.n_batch}, n_mini={args.n_mini}, n_async={args.n_async}, "
+          f"max_staleness={args.max_staleness}, completion lengths Pareto(alpha={args.alpha}) on "
+          f"[{args.low}, {int(args.low * args.ratio)}], prompt {args.prompt_len}; "
+          f"{args.updates - args.warmup} measured updates per mode")
+    d = params.decode
+    curve = f"{d.peak_tok_s:.0f} c / (c + {d.c_half:.1f}) tok/s" if not d.table else "the measured table"
+    print(f"fitted: decode {curve}, trainer {params.train_a_s:.3f} s + {params.train_b_s * 1e3:.3f} ms/token, push "
+          f"{params.push_s:.3f} s, start-up {params.prefill_s * 1e3:.1f} ms/sequence")
+    print(f"{'measured':10}{'seq/s':>8}{'tok/s':>8}{'token lag mean/max':>20}{'stale drops':>12}"
+          f"{'trained/all length':>20}{'gen cpu / trainer busy':>24}")
+    for name, m in (("sync", sync), ("async", asyn)):
+        stale = f"{statistics.fmean(m.staleness):.2f}/{max(m.staleness)}"
+        print(f"{name:10}{m.seq_s:8.2f}{m.tok_s:8.0f}{stale:>20}{m.dropped_frac:12.1%}{m.length_ratio:20.3f}"
+              f"{m.utilisation():>24}")
+    layouts = (("1 gen / 1 trainer", sim), (f"{big.generators} gen / {args.sim_trainers} trainers, "
+                                           f"lengths x{args.sim_ratio:g}", big_sim))
+    print(f"{'simulated':44}{'seq/s':>9}{'tok/s':>9}{'token lag':>10}{'stale drops':>12}{'trained/all':>12}"
+          f"{'gen util':>9}{'train util':>11}")
+    for layout, res in layouts:
+        for name in ("sync", "async"):
+            r = res[name]
+            print(f"{layout + ' ' + name:44}{r.sequences_per_s:9.2f}{r.tokens_per_s:9.0f}{r.token_staleness_mean:10.2f}"
+                  f"{r.dropped_stale_frac:12.1%}{r.length_ratio:12.3f}{r.generator_util:9.1%}{r.trainer_util:11.1%}")
+    print(f"{'async / sync':34}{'seq/s':>8}{'tok/s':>8}")
+    rows = [("measured", asyn.seq_s / sync.seq_s, asyn.tok_s / sync.tok_s)]
+    rows += [(f"simulated {layout.split(',')[0]}", r["async"].sequences_per_s / r["sync"].sequences_per_s,
+              r["async"].tokens_per_s / r["sync"].tokens_per_s) for layout, r in layouts]
+    for name, seq_x, tok_x in rows:
+        print(f"{name:34}{seq_x:7.2f}x{tok_x:7.2f}x")
 
 
 def main() -> None:
@@ -228,7 +306,7 @@ def main() -> None:
     ap.add_argument("--n-batch", type=int, default=32)
     ap.add_argument("--n-mini", type=int, default=2)
     ap.add_argument("--n-async", type=int, default=64)
-    ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--max-staleness", type=int, default=4, help="rollout.max_staleness (its config default)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--low", type=int, default=24, help="shortest completion (tokens)")
     ap.add_argument("--ratio", type=float, default=5.0, help="longest / shortest completion")
@@ -238,6 +316,9 @@ def main() -> None:
     ap.add_argument("--gen-core", type=int, default=0)
     ap.add_argument("--train-core", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sim-generators", type=int, default=64, help="the scaled-out simulated layout")
+    ap.add_argument("--sim-trainers", type=int, default=16)
+    ap.add_argument("--sim-ratio", type=float, default=10.0, help="its longest / shortest completion")
     args = ap.parse_args()
     if args.updates <= args.warmup:
         ap.error("--updates must exceed --warmup")
@@ -285,25 +366,7 @@ def main() -> None:
             asyn = bench.run_async(args.updates, args.warmup)
         finally:
             gen.close()
-    params, sim = simulated(args, table, prefill_s, sync, asyn)
-    print(f"\nworkload: G={args.group}, n_batch={args.n_batch}, n_mini={args.n_mini}, n_async={args.n_async}, "
-          f"max_staleness={args.max_staleness}, completion lengths Pareto(alpha={args.alpha}) on "
-          f"[{args.low}, {int(args.low * args.ratio)}], prompt {args.prompt_len}; "
-          f"{args.updates - args.warmup} measured updates per mode")
-    d = params.decode
-    curve = f"{d.peak_tok_s:.0f} c / (c + {d.c_half:.1f}) tok/s" if not d.table else "the measured table"
-    print(f"fitted: decode {curve}, trainer {params.train_a_s:.3f} s + {params.train_b_s * 1e3:.3f} ms/token, push "
-          f"{params.push_s:.3f} s, start-up {params.prefill_s * 1e3:.1f} ms/sequence")
-    print(f"{'':10}{'seq/s':>9}{'tok/s':>9}{'staleness mean/max':>20}{'stale drops':>12}{'sim seq/s':>11}"
-          f"{'sim drops':>10}{'sim gen util':>13}{'sim train util':>15}")
-    for name, m, s in (("sync", sync, sim["sync"]), ("async", asyn, sim["async"])):
-        stale = f"{statistics.fmean(m.staleness):.2f}/{max(m.staleness)}"
-        print(f"{name:10}{m.seq_s:9.2f}{m.tok_s:9.0f}{stale:>20}{m.dropped_frac:12.1%}{s.sequences_per_s:11.2f}"
-              f"{s.dropped_frac:10.1%}{s.generator_util:13.1%}{s.trainer_util:15.1%}")
-    print(f"async / sync sequences/s: measured {asyn.seq_s / sync.seq_s:.2f}x, simulated "
-          f"{sim['async'].sequences_per_s / sim['sync'].sequences_per_s:.2f}x "
-          f"(tokens/s: measured {asyn.tok_s / sync.tok_s:.2f}x, simulated "
-          f"{sim['async'].tokens_per_s / sim['sync'].tokens_per_s:.2f}x; async batches favour short completions)")
+    report(args, *simulated(args, table, prefill_s, sync, asyn), sync, asyn)
 
 
 if __name__ == "__main__":

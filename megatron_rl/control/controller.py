@@ -65,7 +65,7 @@ class Controller:
                     elif not self.flow.evaluation.active:  # an eval round is graded under one weight version
                         self._train()  # train on n_batch ready sequences, if there are
                 if not (self.stop_requested or self.updates_done >= total):
-                    self.flow.fill()  # fill: n_async samples in flight
+                    self.flow.fill()  # fill: groups as the budget admits them (n_async, staleness bound)
                 for source, message in self.mailbox.poll(timeout_s=0.005):
                     self._dispatch(source, message)  # collect: rollouts, grades, replies (train -> push)
                 self.flow.collect_grades()  # grade: the controller's own grading pool

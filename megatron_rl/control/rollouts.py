@@ -1,7 +1,8 @@
 """The rollout flow: from a problem to graded samples in the budget.
 
-    fill     start groups of G samples until n_async are in flight; each group goes whole to the
-             least-loaded live generator (its G requests share the prompt's prefix cache)
+    fill     start groups of G samples as the budget admits them (n_async in flight, the staleness
+             bound: budget.free_group_slots); each group goes whole to the least-loaded live generator
+             (its G requests share the prompt's prefix cache)
     collect  a generator's finished rollouts are stamped with the length stage they were requested
              under and sent to grading (the controller's own pool, or verifier ranks in turn)
     settle   verdicts go to the budget (groups, advantages, filtering); a failed grading is graded

@@ -6,7 +6,8 @@ thread, allocating from the manifest and copying every tensor into the model's p
 SGLang's `flattened_bucket` loader does. Paths:
   overlapped  megatron_rl.sync.pipeline: bucket k+1 packed (sender) / copied out (receiver) while
               bucket k is on the wire, two reused buffers each side, lone contiguous tensors
-              sent and received in place (what WeightSender sends)
+              sent and received in place, first buckets ramping up to the cap (what WeightSender
+              sends)
   serial      the previous path: flatten a fresh bucket, broadcast, receive into a fresh buffer,
               copy out, next bucket
   raw         one broadcast per sender of an already-flat, preallocated tensor of its share
@@ -14,6 +15,8 @@ Every timing is sender start -> receiver done (the receiver answers once its las
 
     .venv/bin/python benchmarks/weight_sync.py --total-mb 256 --buckets 16,64,256,1024 --senders 1,2
     .venv/bin/python benchmarks/weight_sync.py --backend nccl --device cuda   # needs 2 GPUs
+    .venv/bin/python benchmarks/weight_sync.py --backend gloo --device cuda   # 1 GPU: packing on it, gloo stages via host
+NCCL cannot put two ranks of one communicator on the same GPU, so with one GPU the NCCL run skips.
 Prints GB/s of each path, bucketed / raw for every (bucket size, senders) pair, and the speed-up
 of 2 senders over 1 for each path.
 """
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_rl.sync.buckets import bucketize, empty_like_manifest, layout, plan_buckets, unflatten
+from megatron_rl.sync.buckets import bucketize, empty_like_manifest, layout, plan_buckets, ramp_start, unflatten
 from megatron_rl.sync.group import _join, free_port
 from megatron_rl.sync.pipeline import BucketStream, BufferPool, receive_buckets
 
@@ -90,8 +93,12 @@ def receiver(args, ports, device_name, cpu_out):
 
 
 def _receive_one(named, mb, path, pg, raw_buf, device, pool):
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the current device is per thread
     params = dict(named)
-    manifests = [layout(g) for g in plan_buckets(named, int(mb * (1 << 20)))]  # from shapes alone
+    cap = int(mb * (1 << 20))
+    first = ramp_start(cap) if path == "overlapped" else None  # what WeightSender sends
+    manifests = [layout(g) for g in plan_buckets(named, cap, first)]  # from shapes alone, as SGLang
     _signal(pg, device)  # ready
     if path == "overlapped":
         receive_buckets(pg, manifests, params, device, pool=pool)
@@ -113,9 +120,12 @@ def _bytes(named):
 
 # ------------------------------------------------------------------ sender
 def _send_one(named, mb, path, pg, raw_buf, device, pool):
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     _signal(pg, device)
     if path == "overlapped":
-        for b in BucketStream(named, int(mb * (1 << 20)), device, pool=pool):
+        cap = int(mb * (1 << 20))
+        for b in BucketStream(named, cap, device, pool=pool, first_bucket_bytes=ramp_start(cap)):
             dist.broadcast(b.flat, group=pg, group_src=0)
     elif path == "serial":
         for b in bucketize(named, int(mb * (1 << 20))):

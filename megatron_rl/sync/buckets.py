@@ -134,9 +134,14 @@ def unflatten(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 first_bucket_bytes: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a stream of named tensors into lists of at most `bucket_bytes` each.
+
+    With `first_bucket_bytes`, the cap starts there and doubles per bucket up to `bucket_bytes`
+    (a ramp): a pipelined push can only overlap bucket k with k+1, so the first bucket's packing
+    and the transfer behind it run alone; a small first bucket keeps that unoverlapped part short,
+    and doubling stays behind the wire as long as packing is at least twice as fast as it.
 
     Streaming: only one bucket's tensors are held at a time, so an exporter that materialises
     full (TP-gathered) tensors one by one never has the whole model in memory. A tensor larger
@@ -145,22 +150,31 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if first_bucket_bytes is not None and first_bucket_bytes < 1:
+        raise ValueError(f"first_bucket_bytes must be >= 1, got {first_bucket_bytes}")
+    cap = min(bucket_bytes, first_bucket_bytes or bucket_bytes)
     cur: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named:
         _check_tensor(name, t)
         n = t.numel() * t.element_size()
         misaligned = size % t.element_size() != 0
-        if cur and (size + n > bucket_bytes or misaligned):
+        if cur and (size + n > cap or misaligned):
             yield cur
-            cur, size = [], 0
+            cur, size, cap = [], 0, min(bucket_bytes, 2 * cap)
         cur.append((name, t))
         size += n
     if cur:
         yield cur
 
 
-def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def ramp_start(bucket_bytes: int) -> int:
+    """The first bucket of a pipelined push: 1/16 of the cap, not below 1 MiB (per-bucket overhead)."""
+    return min(bucket_bytes, max(bucket_bytes // 16, 1 << 20))
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+              first_bucket_bytes: int | None = None) -> Iterator[Bucket]:
     """plan_buckets followed by flatten."""
-    for group in plan_buckets(named, bucket_bytes):
+    for group in plan_buckets(named, bucket_bytes, first_bucket_bytes):
         yield flatten(group)

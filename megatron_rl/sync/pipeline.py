@@ -73,13 +73,14 @@ class BucketStream:
     filled, so an exporter that materialises tensors one by one never holds much more than that."""
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 device: torch.device | str = "cpu", buffers: int = 2, pool: BufferPool | None = None):
+                 device: torch.device | str = "cpu", buffers: int = 2, pool: BufferPool | None = None,
+                 first_bucket_bytes: int | None = None):
         if buffers < 2:
             raise ValueError(f"a double-buffered stream needs >= 2 buffers, got {buffers}")
         self.device = torch.device(device)
         if pool is not None and pool.device != self.device:
             raise ValueError(f"buffer pool on {pool.device}, stream on {self.device}")
-        self._named, self._bucket_bytes = named, bucket_bytes
+        self._named, self._bucket_bytes, self._first = named, bucket_bytes, first_bucket_bytes
         self._buffers = pool or BufferPool(self.device)
         self._slots = threading.Semaphore(buffers)
         self._ready: queue.Queue = queue.Queue()
@@ -98,7 +99,7 @@ class BucketStream:
 
     def _produce(self) -> None:
         try:
-            groups = plan_buckets(self._named, self._bucket_bytes)
+            groups = plan_buckets(self._named, self._bucket_bytes, self._first)
             while True:
                 _acquire(self._slots, self._stop)  # before pulling: bounds what the exporter materialises
                 group = next(groups, None)

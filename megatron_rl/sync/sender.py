@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.client import SGLangClient
-from megatron_rl.sync.buckets import Bucket
+from megatron_rl.sync.buckets import Bucket, ramp_start
 from megatron_rl.sync.group import close_update_group, default_backend, open_update_group
 from megatron_rl.sync.pipeline import BucketStream, BufferPool
 
@@ -122,8 +122,10 @@ class WeightSender:
         report = SendReport(self.sender_rank)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(self._links)) as pool:
-            # bucket k+1 is converted and packed (producer thread) while bucket k is on the wire
-            for bucket in BucketStream(named_tensors, self.bucket_bytes, self.device, pool=self._pool):
+            # bucket k+1 is converted and packed (producer thread) while bucket k is on the wire;
+            # the first buckets ramp up to the cap so the unoverlapped first one is short
+            for bucket in BucketStream(named_tensors, self.bucket_bytes, self.device, pool=self._pool,
+                                       first_bucket_bytes=ramp_start(self.bucket_bytes)):
                 for retries in pool.map(lambda l: self._send_bucket(l, bucket), self._links):
                     report.retries += retries
                 report.names += bucket.names

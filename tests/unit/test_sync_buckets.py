@@ -92,3 +92,13 @@ def test_bad_input():
         list(plan_buckets([("a", torch.zeros(1))], 0))
     with pytest.raises(ValueError):
         unflatten(Bucket(torch.zeros(4, dtype=torch.uint8), flatten([("a", torch.zeros(2))]).metas))
+
+
+def test_ramp_doubles_the_cap_from_the_first_bucket():
+    named = [(f"t{i}", torch.zeros(25)) for i in range(40)]  # 100 bytes each
+    sizes = [sum(t.numel() * 4 for _, t in g) for g in plan_buckets(named, 1000, first_bucket_bytes=200)]
+    assert sizes == [200, 400, 800, 1000, 1000, 600]
+    assert sum(sizes) == 4000
+    assert [n for g in plan_buckets(named, 1000, 200) for n, _ in g] == [n for n, _ in named]
+    with pytest.raises(ValueError):
+        list(plan_buckets(named, 1000, first_bucket_bytes=0))

@@ -28,18 +28,21 @@ def _mixed():
             ("g", torch.randn(4, 4, generator=g).to(torch.float16)[:, ::2])]
 
 
-def _serial(named):
-    return [(b.metas, b.flat.clone()) for b in bucketize(named, BUCKET)]
+def _serial(named, first=None):
+    return [(b.metas, b.flat.clone()) for b in bucketize(named, BUCKET, first)]
 
 
-def test_stream_is_bit_identical_to_serial_flatten():
+@pytest.mark.parametrize("first", [None, 64])  # 64: a ramp 64, 128, 256 B
+def test_stream_is_bit_identical_to_serial_flatten(first):
     named = _mixed()
-    streamed = [(b.metas, b.flat.clone()) for b in BucketStream(iter(named), BUCKET)]  # copy: valid until next
-    serial = _serial(named)
+    streamed = [(b.metas, b.flat.clone())  # a copy: each bucket is valid until the next is asked for
+                for b in BucketStream(iter(named), BUCKET, first_bucket_bytes=first)]
+    serial = _serial(named, first)
     assert len(streamed) == len(serial) >= 5
     for (m0, f0), (m1, f1) in zip(serial, streamed):
         assert m0 == m1 and torch.equal(f0, f1)
-    assert [m.name for m in streamed[0][0]] == ["a", "b"]  # exactly full bucket is not split
+    if first is None:
+        assert [m.name for m in streamed[0][0]] == ["a", "b"]  # an exactly full bucket is not split
 
 
 def test_contiguous_tensor_alone_is_sent_without_copy():

@@ -76,3 +76,8 @@ def _run_all(exp, args: argparse.Namespace, updates: int, results_dir: Path, run
         status = runner.run_one(run, updates, args.overrides, args.keep_checkpoints)
         print(f"[experiment] {exp.name} {i}/{len(runs)} {run.label}: {status} ({time.time() - t0:.0f} s)", flush=True)
         runner.collect([run], results_dir)
+    # every run on its own (one colour per arm x seed, the curves of `megatron-rl plot`), beside the
+    # report's figure of seed means
+    from megatron_rl.control.plot import plot_runs
+
+    plot_runs([r.run_dir for r in runs], results_dir / "runs.png", labels=[r.label for r in runs], metrics=exp.metrics)

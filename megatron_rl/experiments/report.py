@@ -5,11 +5,13 @@ every number is a trailing window: at update u, the mean over the lines of updat
 weighted by the samples each line graded for per-sample metrics (reward/..., pass_rate, length/...),
 unweighted for the trainer's (train/...); eval/... (held-out, only on evaluated updates) is the last
 value at or before u within the window. Over seeds: the mean and the [min, max] range.
-With a target (experiment.yaml `target`): the wall time (metrics `wall_s`) at which the trailing mean
-first reaches the value, per seed; "not reached" when it never does.
+Wall time: `elapsed_s`, the running sum of the lines' `wall_s` (each line's own duration; the first one
+includes the generators' first fill), so the time a stopped run spent stopped does not count. With a
+target (experiment.yaml `target`): the elapsed time at which the trailing mean first reaches the value,
+per seed; "not reached" when it never does.
 
-The figure is drawn here (mean over seeds, a band from min to max, per arm); the `plot_runs` of
-megatron_rl/control/plot.py draws single runs and did not exist when this was written.
+The figure (figure.png) is drawn here: per arm the mean over seeds and a band from min to max. The
+command also draws every run on its own with `control.plot.plot_runs` (runs.png, from the run directories).
 """
 from __future__ import annotations
 
@@ -29,7 +31,19 @@ def load_results(exp: Experiment, results_dir: Path) -> Results:
         for path in sorted(results_dir.glob(f"{arm}-seed*.jsonl")):
             seed = path.stem[len(arm) + len("-seed"):]
             if seed.isdigit():
-                out.setdefault(arm, {})[int(seed)] = read_jsonl(path)
+                out.setdefault(arm, {})[int(seed)] = with_elapsed(read_jsonl(path))
+    return out
+
+
+def with_elapsed(rows: list[dict]) -> list[dict]:
+    """The rows with `elapsed_s`: the running sum of their `wall_s` (rows without it get none)."""
+    total, out = 0.0, []
+    for r in rows:
+        r = dict(r)
+        if _finite(r.get("wall_s")):
+            total += float(r["wall_s"])
+            r["elapsed_s"] = total
+        out.append(r)
     return out
 
 
@@ -54,11 +68,11 @@ def _finite(v) -> bool:
 
 
 def time_to_target(rows: list[dict], key: str, value: float, window: int) -> float | None:
-    """Wall time (s) of the first update whose trailing mean of `key` reaches `value`."""
+    """Elapsed time (s) of the first update whose trailing mean of `key` reaches `value`."""
     for r in rows:
         m = trailing_mean(rows, key, r["update"], window)
-        if m is not None and m >= value and "wall_s" in r:
-            return float(r["wall_s"])
+        if m is not None and m >= value and "elapsed_s" in r:
+            return float(r["elapsed_s"])
     return None
 
 
@@ -103,10 +117,11 @@ def table(exp: Experiment, results: Results, updates: int) -> str:
 
 
 def _wall_per_update(rows: list[dict]) -> float | None:
-    timed = [r for r in rows if "wall_s" in r]
+    """Seconds per update after the first line (which also holds the start-up)."""
+    timed = [r for r in rows if "elapsed_s" in r]
     if len(timed) < 2:
         return None
-    return (timed[-1]["wall_s"] - timed[0]["wall_s"]) / (timed[-1]["update"] - timed[0]["update"])
+    return (timed[-1]["elapsed_s"] - timed[0]["elapsed_s"]) / (timed[-1]["update"] - timed[0]["update"])
 
 
 def figure(exp: Experiment, results: Results, updates: int, out: Path) -> Path:
@@ -131,7 +146,7 @@ def figure(exp: Experiment, results: Results, updates: int, out: Path) -> Path:
             ax.plot(xs, mean, color=color, label=f"{arm} (n={len(seeds)})", marker="." if len(xs) < 4 else None)
             ax.fill_between(xs, lo, hi, color=color, alpha=0.18, linewidth=0)
         ax.set_title(key)
-        ax.set_xlabel("update" if exp.x == "update" else "wall time (s)")
+        ax.set_xlabel("update" if exp.x == "update" else "elapsed wall time (s)")
         ax.grid(alpha=0.3)
     if exp.target and exp.target.metric in exp.metrics:
         axes.flat[exp.metrics.index(exp.target.metric)].axhline(exp.target.value, color="k", ls=":", lw=1)
@@ -149,7 +164,7 @@ def _curve(runs: list[list[dict]], key: str, window: int, x: str):
     if x == "update":
         grid = sorted({r["update"] for rows in runs for r in rows if key in r})
     else:
-        grid = sorted({r["wall_s"] for rows in runs for r in rows if key in r and "wall_s" in r})
+        grid = sorted({r[x] for rows in runs for r in rows if key in r and x in r})
     xs, mean, lo, hi = [], [], [], []
     for g in grid:
         vals = [v for rows in runs if (v := trailing_mean(rows, key, g, window, x)) is not None]

@@ -45,7 +45,7 @@ class Experiment:
     updates: int = 20
     seeds: int = 2
     metrics: list[str] = field(default_factory=lambda: ["reward/mean", "pass_rate"])
-    x: Literal["update", "wall_s"] = "update"
+    x: Literal["update", "elapsed_s"] = "update"  # elapsed_s: wall time (report.with_elapsed)
     target: Target | None = None
     at_updates: list[int] | None = None  # table columns (default: quarters of the run)
 
@@ -116,8 +116,8 @@ def load_experiment(name: str) -> Experiment:
         seeds=int(spec.get("seeds", 2)), metrics=list(spec.get("metrics", ["reward/mean", "pass_rate"])),
         x=spec.get("x", "update"), target=Target(str(target["metric"]), float(target["value"])) if target else None,
         at_updates=spec.get("at_updates"))
-    if exp.x not in ("update", "wall_s"):
-        raise ExperimentError(f"{spec_path}: x must be update or wall_s, got {exp.x!r}")
+    if exp.x not in ("update", "elapsed_s"):
+        raise ExperimentError(f"{spec_path}: x must be update or elapsed_s, got {exp.x!r}")
     if exp.updates < 1 or exp.seeds < 1:
         raise ExperimentError(f"{spec_path}: updates and seeds must be >= 1")
     return exp

@@ -99,14 +99,15 @@ def test_table_and_figure_from_results(tmp_path):
     exp.metrics = ["reward/mean", "train/entropy"]
     res = tmp_path / "results"
     res.mkdir()
-    seed0 = _rows([0.2, 0.4, 0.6, 0.8], [10, 30, 10, 30], [10, 20, 30, 40])
-    seed1 = _rows([0.4, 0.4, 0.9, 0.9], [20, 20, 20, 20], [15, 30, 45, 60])
+    seed0 = _rows([0.2, 0.4, 0.6, 0.8], [10, 30, 10, 30], [10, 10, 10, 10])  # wall_s: each line's duration
+    seed1 = _rows([0.4, 0.4, 0.9, 0.9], [20, 20, 20, 20], [15, 15, 15, 15])
     for seed, rows in enumerate((seed0, seed1)):
         (res / f"async-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seed0, seed1 = report.with_elapsed(seed0), report.with_elapsed(seed1)  # elapsed 10, 20, 30, 40 s / 15, ..., 60 s
     # window = 4 // 4 = 1 update: the line itself; at update 2 with a 2-update window, sample-weighted
     assert report.trailing_mean(seed0, "reward/mean", 2, 2) == pytest.approx((0.2 * 10 + 0.4 * 30) / 40)
     assert report.trailing_mean(seed0, "train/entropy", 4, 2) == pytest.approx((0.3 + 0.4) / 2)  # unweighted
-    assert report.trailing_mean(seed0, "reward/mean", 25, 1, x="wall_s") == pytest.approx(0.4)  # update 2 at 20 s
+    assert report.trailing_mean(seed0, "reward/mean", 25, 1, x="elapsed_s") == pytest.approx(0.4)  # update 2 at 20 s
     assert report.time_to_target(seed0, "reward/mean", 0.7, 1) == 40 and report.time_to_target(seed1, "reward/mean", 0.7, 1) == 45
     assert report.time_to_target(seed0, "reward/mean", 0.95, 1) is None
     table_path, fig = report.write_report(exp, res, 4)

@@ -37,7 +37,7 @@ class Progress:
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", *, enabled: bool = True,
                  unit_scale: bool = False):
-        self.total, self.desc, self.unit = total, desc, unit
+        self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
         self.done, self.t0 = 0, time.monotonic()
         on = enabled and not quiet()
         self._bar = None
@@ -66,9 +66,17 @@ class Progress:
                 return
             else:
                 self._next_log = elapsed + LOG_EVERY_S
-            of = f"/{self.total}" if self.total else ""
-            log.info("%s: %g%s %s (%.0f s, %s)", self.desc, self.done, of, self.unit, elapsed,
+            size = self._size
+            of = f"/{size(self.total)}" if self.total else ""
+            log.info("%s: %s%s %s (%.0f s, %s)", self.desc, size(self.done), of, self.unit, elapsed,
                      eta_text(self.done, self.total, elapsed))
+
+    def _size(self, n: float) -> str:
+        if not self.unit_scale:
+            return f"{n:g}"
+        from tqdm import tqdm
+
+        return tqdm.format_sizeof(n)  # 486144 -> 486k, as the bar shows it
 
     def close(self) -> None:
         if self._bar is not None:

@@ -25,9 +25,9 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# Megatron-Core warns at import, once per module, that Transformer Engine and Apex are missing and it
-# falls back to torch; without CUDA neither can be installed, so on CPU the fallback is the plan.
-_CPU_EXPECTED_WARNINGS = (r"Transformer Engine and Apex are not installed",)
+# Megatron-Core warns at import and model build, once per module, that Transformer Engine and Apex are
+# missing and it falls back to torch; without CUDA neither can be installed: on CPU the fallback is the plan.
+_CPU_EXPECTED_WARNINGS = (r"Transformer Engine and Apex are not installed", r"Apex is not installed\. Falling back")
 
 
 def silence_expected_cpu_warnings() -> None:

@@ -128,3 +128,23 @@ def test_doctor_finds_the_venv_tools_without_activation_and_prints_no_warning():
     import torch
 
     assert ("nccl" in lines) == torch.cuda.is_available()  # GPU library lines only with a GPU
+
+
+def test_simulate_reads_the_pipeline_shape_from_the_run_yaml(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"generator": {"num_generators": 3},
+                                    "rollout": {"group_size": 4, "n_async": 24, "n_batch": 8, "n_mini": 2,
+                                                "max_staleness": 1}}))
+    out = tmp_path / "sim.json"
+    assert cli_main(["simulate", str(path), "--updates", "6", "--warmup", "1", "--json", str(out),
+                     "rollout.n_async=16", "--n-mini", "4"]) == 0
+    params = json.loads(out.read_text())["params"]
+    written = yaml.safe_load(path.read_text())
+    assert params["generators"] == written["generator"]["num_generators"] and params["group"] == 4
+    assert params["n_batch"] == 8 and params["max_staleness"] == 1
+    assert params["n_async"] == 16 and params["n_mini"] == 4  # the override and the flag win over the file
+    capsys.readouterr()

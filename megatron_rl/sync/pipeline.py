@@ -97,7 +97,9 @@ class BucketStream:
         _settle(self.device)  # the bytes are in place before the consumer's collective reads them
         return bucket, buf
 
-    def _produce(self) -> None:
+    def _produce(self, cuda_device: int | None) -> None:
+        if cuda_device is not None:  # the exporter runs here: same current device as the caller
+            torch.cuda.set_device(cuda_device)
         try:
             groups = plan_buckets(self._named, self._bucket_bytes, self._first)
             while True:
@@ -114,7 +116,10 @@ class BucketStream:
         self._ready.put(_DONE)
 
     def __iter__(self) -> Iterator[Bucket]:
-        producer = threading.Thread(target=self._produce, name="bucket-producer", daemon=True)
+        # the current CUDA device is per thread (a new one starts on device 0), and the exporter's
+        # gathers may allocate on it
+        cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        producer = threading.Thread(target=self._produce, args=(cuda_device,), name="bucket-producer", daemon=True)
         producer.start()
         try:
             while True:

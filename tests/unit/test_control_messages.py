@@ -50,6 +50,7 @@ def test_a_batch_goes_once_to_the_first_trainer_then_one_update_cycle(tmp_path):
     assert [dest for dest, _ in sent] == [ctrl.layout.first_trainer]  # not one copy per trainer
     assert isinstance(sent[0][1], TrainRequest) and len(sent[0][1].batch.sequences) == 4
     assert not comm.sent and ctrl.training
+    assert budget.batches_behind == 1  # admission: the batch's weights are not served yet
 
     ctrl._dispatch(ctrl.layout.first_trainer, Trained({"version": 1, "loss": 0.5}))
     assert [(d, type(m)) for d, m in comm.take(Tag.PAUSE)] == [(g, PauseForUpdate) for g in gens]
@@ -64,6 +65,7 @@ def test_a_batch_goes_once_to_the_first_trainer_then_one_update_cycle(tmp_path):
     for g in gens:
         ctrl._dispatch(g, Resumed(_status(g, 1)))
     assert ctrl.cycle.phase is Phase.IDLE and not ctrl.push_needed and not comm.sent
+    assert budget.batches_behind == 0 and budget.served_version == 1  # every generator serves it
     ctrl.shutdown()
     stops = [dest for dest, _, _ in comm.sent]
     assert stops == [ctrl.layout.first_trainer] + gens + ctrl.layout.verifier_ranks

@@ -256,10 +256,18 @@ class TrainerConfig:
     recompute_method: Literal["uniform", "block"] = "uniform"
     # full recompute only: layers per recomputed group (uniform) or recomputed layers per stage (block)
     recompute_num_layers: int = 1
+    # MoE models only (Qwen3-MoE, Mixtral): expert parallel, the experts split over this many ranks
+    # carved from TP x CP x DP (adds no ranks; must divide TP*CP*DP and the expert count; expert TP = 1).
+    expert_parallel: int = 1
+    # MoE router load-balancing (aux) loss coefficient added to the policy loss; 0 = off (docs/train.md).
+    moe_aux_loss_coef: float = 0.0
 
     def validate(self, key: str) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel", "expert_parallel"):
             check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
+        check((self.tensor_parallel * self.context_parallel * self.data_parallel) % self.expert_parallel == 0,
+              f"{key}.expert_parallel", "must divide tensor_parallel * context_parallel * data_parallel")
+        check(self.moe_aux_loss_coef >= 0, f"{key}.moe_aux_loss_coef", "must be >= 0")
         check(self.virtual_pipeline is None or self.virtual_pipeline >= 1, f"{key}.virtual_pipeline",
                "must be >= 1 or null")
         check(self.lr > 0, f"{key}.lr", "must be > 0")

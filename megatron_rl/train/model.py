@@ -3,7 +3,8 @@ Mixtral through `moe.py`).
 
 API:
 - `model_dims(hf_config, tp=1) -> ModelDims`: the HF shapes plus the padded shapes Megatron uses.
-- `build_model(hf_config, layout, dtype=torch.float32, *, use_te=None, recompute=None) -> list[GPTModel]`:
+- `build_model(hf_config, layout, dtype=torch.float32, *, use_te=None, recompute=None, router_aux_loss=0.0,
+  per_token_loss=False) -> list[GPTModel]`:
   this rank's model chunks (`layout.sequence_parallel` and `recompute`, a `Recompute`, set the
   activation-memory options of their TransformerConfig) (one per virtual pipeline stage; one chunk without VPP). Call
   `init_parallel(layout)` first. Each chunk carries `chunk.mrl_dims` (ModelDims) and
@@ -225,9 +226,10 @@ def _megatron_applies_yarn_mscale() -> bool:
 
 def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                        use_te: bool | None = None, recompute: Recompute | None = None,
-                       router_aux_loss: float = 0.0):
+                       router_aux_loss: float = 0.0, per_token_loss: bool = False):
     """Megatron's TransformerConfig for `dims` under `layout` (MoE fields from `moe.moe_config_kwargs`,
-    `router_aux_loss` its load-balancing loss coefficient). Fusions, batched p2p and CPU init come
+    `router_aux_loss` its load-balancing loss coefficient; `per_token_loss`: the loss functions return
+    token sums, as the trainer's do (optimizer.py sets it too, but MoE routers read it when built). Fusions, batched p2p and CPU init come
     from `platform.megatron_kernel_options` (the machine's facts); `use_te`: the TE layer spec is used
     (default: TE importable on GPU, as `layer_spec`); sequence parallel from the layout, activation
     recompute from `recompute` (default none)."""
@@ -265,6 +267,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         virtual_pipeline_model_parallel_size=layout.vpp if layout.interleaved else None,
         pipeline_dtype=dtype, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        calculate_per_token_loss=per_token_loss,
         **kernels, **(recompute or Recompute()).config_kwargs(), **moe_kwargs,
     )
     if dims.rope.kind == "yarn":  # GPTModel reads these with getattr (they live on MLA configs)
@@ -302,7 +305,7 @@ def layer_spec(use_te: bool | None = None, segment_attention: bool = True, qk_no
 
 def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
                 use_te: bool | None = None, recompute: Recompute | None = None,
-                router_aux_loss: float = 0.0) -> list:
+                router_aux_loss: float = 0.0, per_token_loss: bool = False) -> list:
     """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -318,7 +321,7 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
     if use_te is None:
         use_te = te_available()
     config = transformer_config(dims, layout, dtype, use_te=use_te, recompute=recompute,
-                                router_aux_loss=router_aux_loss)
+                                router_aux_loss=router_aux_loss, per_token_loss=per_token_loss)
     spec = layer_spec(use_te, qk_norm=dims.qk_norm, num_experts=dims.moe.num_experts if dims.moe else None)
     rope = dims.rope
     position_type = "yarn" if rope.kind == "yarn" else "rope"

@@ -257,7 +257,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,
                    pad_multiple: int = 1, pad_to_common: bool = False, pad_id: int = 0,
-                   cp: tuple[int, int] = (1, 0)) -> PackedBatch:
+                   cp: tuple[int, int] = (1, 0), common_length: int = 0, min_bins: int = 0) -> PackedBatch:
     """Pack `seqs` into bins of at most `capacity` tokens, one `PackedMicroBatch` per bin.
 
     advantages: one value per sequence (defaults to each sequence's own `advantage`).
@@ -265,6 +265,9 @@ def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Seq
     pad_to_common: give every bin the same length (pipeline parallelism exchanges fixed shapes).
     cp: (CP size, CP rank): every sequence is padded to a multiple of 2*CP, each bin to a multiple of
         2*CP*pad_multiple, and the micro-batches hold this rank's chunks (`PackedMicroBatch.cp_slice`).
+    common_length, min_bins: with pad_to_common, bins at least this long (a multiple of the padding
+        multiples), and empty bins (all padding, no loss) up to `min_bins` (MoE expert parallel: every
+        rank of the EP group runs the same micro-batches, see step.prepare_minibatch).
     """
     if not seqs:
         raise ValueError("cannot pack an empty list of sequences")
@@ -281,9 +284,10 @@ def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Seq
     bins = first_fit_decreasing(padded, capacity)
     # keep the order of the input inside each bin, and order bins by their first sequence
     bins = sorted((sorted(b) for b in bins), key=lambda b: b[0])
+    bins += [[] for _ in range(min_bins - len(bins))]
     used = [sum(padded[i] for i in b) for b in bins]
     sizes = [_round_up(u, pad_multiple) for u in used]
-    common = max(sizes)
+    common = max(max(sizes), _round_up(common_length, pad_multiple))
     if pad_to_common:
         sizes = [common] * len(bins)
     mbs = [_build_row(seqs, b, advantages, n, pad_id, seq_multiple).cp_slice(*cp) for b, n in zip(bins, sizes)]

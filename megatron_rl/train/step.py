@@ -301,11 +301,16 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
     advantages = minibatch_advantages(seqs, ctx.algo) if objective == "rl" else [0.0] * len(seqs)
     share = split_balanced([len(s.token_ids) for s in seqs], ps.get_data_parallel_world_size())[
         ps.get_data_parallel_rank()]
-    packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens,
-                            advantages=[advantages[i] for i in share], pad_multiple=_pad_multiple(model[0].config),
-                            pad_to_common=ctx.layout.pp > 1, cp=cp_size_rank())
-    # once per minibatch: every pass over it (logprobs, loss) then reads tensors on the model's device
     device = model_device(model)
+    pack_args = dict(advantages=[advantages[i] for i in share], pad_multiple=_pad_multiple(model[0].config),
+                     pad_to_common=ctx.layout.pp > 1 or ctx.layout.ep > 1, cp=cp_size_rank())
+    packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens, **pack_args)
+    if ctx.layout.ep > 1:  # MoE token dispatch is collective over EP: the same bins on every rank
+        most = torch.tensor([packed.seq_length, len(packed.micro_batches)], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens, **pack_args,
+                                common_length=int(most[0]), min_bins=int(most[1]))
+    # once per minibatch: every pass over it (logprobs, loss) then reads tensors on the model's device
     packed.micro_batches = [mb.to(device) for mb in packed.micro_batches]
     if ctx.layout.n_chunks > 1 and len(packed.micro_batches) % ctx.layout.pp:
         raise ValueError(f"interleaved pipeline needs the micro-batch count ({len(packed.micro_batches)}) to be "

@@ -52,14 +52,15 @@ class Trainer:
         t = config.trainer
         self.layout = init_parallel(ParallelLayout(t.tensor_parallel, t.pipeline_parallel, t.data_parallel,
                                                    t.virtual_pipeline, t.sequence_parallel,
-                                                   cp=t.context_parallel),
+                                                   cp=t.context_parallel, ep=t.expert_parallel),
                                     backend=backend, seed=t.seed)
         source = None
         if hf_config is None or load_weights:
             source = resolve_model(t.model)
             hf_config = hf_config or source.config()
         self.hf_config = hf_config
-        chunks = build_model(hf_config, self.layout, precision_dtype(t), recompute=Recompute.from_trainer(t))
+        chunks = build_model(hf_config, self.layout, precision_dtype(t), recompute=Recompute.from_trainer(t),
+                             router_aux_loss=t.moe_aux_loss_coef, per_token_loss=True)
         if load_weights:
             from megatron_rl.train.hf_weights import load_hf_weights
 

@@ -31,7 +31,7 @@ class DataConfig:
     language_key: str = "language"  # column of a code task's programming language, python or cpp (dotted path: nested field)
     # Curriculum: drop problems whose recent pass rate reached this (None = keep everything).
     drop_solved_above: float | None = None
-    # Held-out evaluation set (JSONL, read as source=jsonl reads its path), evaluated every run.eval_every updates.
+    # Held-out evaluation set (JSONL, or parquet by its .parquet suffix; same columns and checks as path), evaluated every run.eval_every updates.
     eval_path: str | None = None
 
     def validate(self, key: str) -> None:

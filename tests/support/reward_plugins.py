@@ -50,3 +50,13 @@ NOT_A_FUNCTION = 3
 
 def two_args(task, response):
     return RewardBreakdown()
+
+
+def digit_share(task, response, ctx):
+    """1 for the answer in the response, else a tenth of the share of digits among its characters:
+    a random model's samples differ, so its groups are diverse and train (e2e runs)."""
+    text = "".join(response.split())
+    share = sum(c.isdigit() for c in text) / len(text) if text else 0.0
+    correct = task["answer"] in response
+    return RewardBreakdown(format_ok=bool(text), correct=correct, total=1.0 if correct else 0.1 * share,
+                           details={"digit_share": share, "meta": task.get("meta", {})})

@@ -2,9 +2,7 @@
 lists the families the trainer builds."""
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 
 import pytest
@@ -14,26 +12,8 @@ from megatron_rl.control.preflight import check_model
 from megatron_rl.train.hf_cache import ModelUnavailable
 from megatron_rl.train.hf_source import resolve_model
 from megatron_rl.train.model import SUPPORTED_MODEL_TYPES
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _cache_model(hf_home, repo_id, model_dir, model_type=None):
-    """The layout `huggingface-cli download` leaves: blobs by hash, a snapshot of links, refs/main."""
-    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / COMMIT
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        data = f.read_bytes()
-        if f.name == "config.json" and model_type:
-            data = json.dumps({**json.loads(data), "model_type": model_type}).encode()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    return snapshot
+from support.hf_cache import COMMIT
+from support.hf_cache import cache_model as _cache_model
 
 
 @pytest.fixture

@@ -97,9 +97,11 @@ class BucketStream:
         _settle(self.device)  # the bytes are in place before the consumer's collective reads them
         return bucket, buf
 
-    def _produce(self, cuda_device: int | None) -> None:
-        if cuda_device is not None:  # the exporter runs here: same current device as the caller
+    def _produce(self, cuda_device: int | None, grad: bool) -> None:
+        # the exporter runs here: give it the caller's thread-local state (current device, grad mode)
+        if cuda_device is not None:
             torch.cuda.set_device(cuda_device)
+        torch.set_grad_enabled(grad)
         try:
             groups = plan_buckets(self._named, self._bucket_bytes, self._first)
             while True:
@@ -119,7 +121,8 @@ class BucketStream:
         # the current CUDA device is per thread (a new one starts on device 0), and the exporter's
         # gathers may allocate on it
         cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        producer = threading.Thread(target=self._produce, args=(cuda_device,), name="bucket-producer", daemon=True)
+        producer = threading.Thread(target=self._produce, args=(cuda_device, torch.is_grad_enabled()),
+                                    name="bucket-producer", daemon=True)
         producer.start()
         try:
             while True:

@@ -11,8 +11,9 @@ into the parameters; a bucket that is one tensor whose destination is contiguous
 dtype and shape is received straight into it.
 
 Two buffers are enough for a full overlap: one on the wire, one being filled (or copied out).
-Reusing them also saves the page faults of allocating a fresh bucket each time, which on CPU cost
-about as much as the copy itself. On CUDA every hand-over synchronises the thread's current stream,
+Reusing them (`BufferPool`, kept across pushes) also saves the page faults of a fresh bucket, which
+on CPU cost several times the copy itself. Only k and k+1 overlap, so the first bucket's packing runs
+alone: senders ramp the bucket size up (`buckets.ramp_start`) to keep it short. On CUDA every hand-over synchronises the thread's current stream,
 so a buffer is never refilled while a collective still reads it, whatever stream that ran on.
 """
 from __future__ import annotations

@@ -138,13 +138,17 @@ def figure(exp: Experiment, results: Results, updates: int, out: Path) -> Path:
     for ax in axes.flat[len(exp.metrics):]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, exp.metrics):
+        drawn = False
         for i, (arm, seeds) in enumerate(results.items()):
             xs, mean, lo, hi = _curve(list(seeds.values()), key, window, exp.x)
             if not xs:
                 continue
+            drawn = True
             color = f"C{i}"
             ax.plot(xs, mean, color=color, label=f"{arm} (n={len(seeds)})", marker="." if len(xs) < 4 else None)
             ax.fill_between(xs, lo, hi, color=color, alpha=0.18, linewidth=0)
+        if not drawn:
+            ax.text(0.5, 0.5, "no values", ha="center", va="center", transform=ax.transAxes, color="0.5")
         ax.set_title(key)
         ax.set_xlabel("update" if exp.x == "update" else "elapsed wall time (s)")
         ax.grid(alpha=0.3)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from megatron_rl.experiments.spec import Experiment, ExperimentError, RunSpec, run_config
+from megatron_rl.train.checkpoint_dirs import holds_checkpoints
 
 DONE_FILE = "experiment_done.json"
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def prepare(prep_dir: Path, base_config: Path, base_model: str | None, data_dir:
     hf_dir = prep_dir / "sft-hf"
     if not (hf_dir / "config.json").is_file():
         sft_dir = prep_dir / "sft"
-        if not (sft_dir / "checkpoints" / "latest").exists():  # the demo's cold start (examples/cpu_demo.sh)
+        if not holds_checkpoints(sft_dir / "checkpoints"):  # the demo's cold start (examples/cpu_demo.sh)
             _call(_cli("sft", str(base_config), "trainer.lr=5e-5", f"run.output_dir={sft_dir}",
                        "--data", str(data / "sft.jsonl"), "--batch-size", "8", "--epochs", "1"), "SFT cold start")
         _call(_cli("convert", "to-hf", str(sft_dir / "checkpoints"), str(hf_dir), "--hf-config", "smollm2-135m"),
@@ -103,7 +104,7 @@ def run_one(run: RunSpec, updates: int, overrides: list[str], keep_checkpoints: 
     done = done_updates(run)
     if done >= updates:
         return "skipped"
-    resume = (run.run_dir / "checkpoints" / "latest").exists()
+    resume = holds_checkpoints(run.run_dir / "checkpoints")
     if done and not resume:
         raise ExperimentError(f"{run.label}: finished at {done} updates and its checkpoints were deleted; "
                               f"to extend it, delete {run.run_dir} (or run with --keep-checkpoints from the start)")

@@ -10,6 +10,7 @@ import yaml
 
 from megatron_rl.experiments import report, runner
 from megatron_rl.experiments.spec import ExperimentError, list_experiments, load_experiment
+from megatron_rl.train.checkpoint_dirs import TRACKER
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +73,7 @@ def test_runner_skips_finished_resumes_checkpointed_and_restarts_the_rest(tmp_pa
     (fresh.run_dir / "stale.txt").parent.mkdir(parents=True)
     (fresh.run_dir / "stale.txt").write_text("left by a run stopped before its first checkpoint")
     (resumed.run_dir / "checkpoints").mkdir(parents=True)
-    (resumed.run_dir / "checkpoints" / "latest").write_text("step_1")
+    (resumed.run_dir / "checkpoints" / TRACKER).write_text("1")
     finished.run_dir.mkdir(parents=True)
     (finished.run_dir / runner.DONE_FILE).write_text(json.dumps({"updates": 2}))
 

@@ -18,6 +18,12 @@ Trainer GPU (heaviest pipeline stage; TP shards every matrix, PP splits layers, 
   `trainer.micro_batch_tokens` tokens x the micro-batches the 1F1B schedule keeps in flight (up to PP
   on the first stage), plus fp32 logits of one micro-batch and their gradient (tokens x vocab / TP x
   8 B) on the last stage
+MoE (Qwen3-MoE, Mixtral; `Shapes.experts` > 0): the expert weights are split over EP
+(`trainer.expert_parallel`) and not over TP (expert TP = 1, as train/moe.py builds them), their Adam
+state over the expert-data-parallel ranks TP x CP x DP / EP; the dense part (attention, router, norms,
+embeddings) as above. Expert activations per token: top-k routed copies of the SwiGLU terms (3 f_e)
+and of the permuted input/output (2h), token shards as the rest of the layer; an estimate, not checked
+against a measured MoE peak. Training FLOPs count the active parameters (top-k experts).
 Generator GPU (one SGLang replica over `generator.tp_size` GPUs): bf16 weights / tp_size + KV cache
 (`generator.max_total_tokens` x layers x 2 x kv_heads_per_gpu x head_dim x 2 B) + a fixed runtime
 overhead. Throughput: decode is memory-bound (each step reads the weight shard and the live KV
@@ -75,22 +81,45 @@ class Shapes:
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: int
+    ffn: int  # dense MLP width; per expert for MoE
     tied: bool
+    experts: int = 0  # MoE: routed experts per layer (0 = dense)
+    topk: int = 0  # MoE: experts per token
+    qk_norm: bool = False  # Qwen3: a q and a k RMSNorm (head_dim each) per layer
 
     @classmethod
     def from_hf(cls, c) -> "Shapes":
         heads = c.num_attention_heads
+        experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
+        ffn = int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size) if experts else c.intermediate_size
         return cls(c.vocab_size, c.hidden_size, c.num_hidden_layers, heads,
                    getattr(c, "num_key_value_heads", None) or heads,
-                   getattr(c, "head_dim", None) or c.hidden_size // heads, c.intermediate_size,
-                   bool(getattr(c, "tie_word_embeddings", False)))
+                   getattr(c, "head_dim", None) or c.hidden_size // heads, ffn,
+                   bool(getattr(c, "tie_word_embeddings", False)), experts,
+                   int(getattr(c, "num_experts_per_tok", 0) or 0) if experts else 0,
+                   getattr(c, "model_type", "") in ("qwen3", "qwen3_moe"))
+
+    @property
+    def per_layer_dense(self) -> int:
+        """Attention, norms, and the dense MLP or the MoE router: what TP splits."""
+        h, hd = self.hidden, self.head_dim
+        qkv = h * (self.heads + 2 * self.kv_heads) * hd
+        mlp = self.experts * h if self.experts else 3 * h * self.ffn
+        return qkv + self.heads * hd * h + mlp + 2 * h + (2 * hd if self.qk_norm else 0)
+
+    @property
+    def per_layer_experts(self) -> int:
+        return self.experts * 3 * self.hidden * self.ffn
 
     @property
     def per_layer(self) -> int:
-        h, hd = self.hidden, self.head_dim
-        qkv = h * (self.heads + 2 * self.kv_heads) * hd
-        return qkv + self.heads * hd * h + 3 * h * self.ffn + 2 * h
+        return self.per_layer_dense + self.per_layer_experts
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses (all of them for a dense model)."""
+        routed = self.layers * (self.experts - self.topk) * 3 * self.hidden * self.ffn if self.experts else 0
+        return self.total - routed
 
     @property
     def embedding(self) -> int:
@@ -160,6 +189,8 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
         attn_core = q / t  # SDPA's own output, apart from the output projection's input
     else:
         per_token, attn_core = 4 * h / d + (3 * q + 3 * kv + 3 * f) / t, 0.0
+    if shapes.experts:  # MoE: experts whole (no TP), top-k routed copies of each token shard
+        per_token += shapes.topk * ((5 if local else 3) * shapes.ffn + 2 * h) / d - (5 if local else 3) * f / t
     layer = tokens * elem_bytes * per_token
     layer_input = tokens * elem_bytes * h / d
     working = 0.0
@@ -203,14 +234,22 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     tp, pp, dp, cp = t.tensor_parallel, t.pipeline_parallel, t.data_parallel, t.context_parallel
     if shapes.layers % pp:
         raise ValueError(f"{shapes.layers} layers do not split over pipeline_parallel={pp}")
+    ep = t.expert_parallel
+    if shapes.experts % ep:
+        raise ValueError(f"{shapes.experts} experts do not split over expert_parallel={ep}")
+    if not shapes.experts and ep > 1:
+        raise ValueError(f"expert_parallel={ep} needs an MoE model ({cfg.trainer.model} is dense)")
     stage_layers = shapes.layers // pp
-    first = shapes.embedding + stage_layers * shapes.per_layer
-    last = (0 if shapes.tied and pp == 1 else shapes.embedding) + stage_layers * shapes.per_layer + shapes.hidden
-    p_stage = max(first, last) if pp > 1 else shapes.total
+    first = shapes.embedding + stage_layers * shapes.per_layer_dense
+    last = (0 if shapes.tied and pp == 1 else shapes.embedding) + stage_layers * shapes.per_layer_dense + shapes.hidden
+    p_stage = max(first, last) if pp > 1 else shapes.total - shapes.layers * shapes.per_layer_experts
+    e_stage = stage_layers * shapes.per_layer_experts  # expert parameters of a stage, split over EP only
     wbytes = 2 if t.precision == "bf16" else 4
     opt_bytes = 8 + (4 if t.precision == "bf16" else 0)
-    tr = {"weights": wbytes * p_stage / tp / GB, "gradients": 4 * p_stage / tp / GB,
-          "optimizer": opt_bytes * p_stage / tp / (dp * cp if t.distributed_optimizer else 1) / GB}
+    shard = p_stage / tp + e_stage / ep  # parameters per GPU
+    expert_dp = tp * cp * dp // ep
+    opt_params = (p_stage / tp / (dp * cp) + e_stage / ep / expert_dp) if t.distributed_optimizer else shard
+    tr = {"weights": wbytes * shard / GB, "gradients": 4 * shard / GB, "optimizer": opt_bytes * opt_params / GB}
     hd = shapes.head_dim
     micro_batches = max(1, r.n_batch // r.n_mini // dp)  # sequences per DP rank per step >= bins
     in_flight = min(pp, micro_batches)
@@ -239,7 +278,7 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     step_s = step_bytes / (cluster.hbm_tbps * 1e12 * cluster.decode_efficiency)
     gen_tok_s = g.num_generators * live / step_s
     trainer_gpus = tp * cp * pp * dp
-    train_tok_s = trainer_gpus * cluster.gpu_tflops * 1e12 * cluster.mfu / (6 * shapes.total)
+    train_tok_s = trainer_gpus * cluster.gpu_tflops * 1e12 * cluster.mfu / (6 * shapes.active)
     batch_tokens = r.n_batch * seq_len
     gen_s = r.n_batch * cluster.mean_completion_fraction * r.max_new_tokens / gen_tok_s
     train_s = batch_tokens / train_tok_s
@@ -259,7 +298,7 @@ def render(e: Estimate, cfg: Config) -> str:
     t, g = cfg.trainer, cfg.generator
     lines = [f"model: {e.params / 1e9:.2f} B parameters",
              f"trainer: {e.trainer_gpus} GPUs (TP={t.tensor_parallel} CP={t.context_parallel} PP={t.pipeline_parallel} "
-             f"DP={t.data_parallel}, sequence_parallel={t.sequence_parallel}, recompute={t.recompute}, "
+             f"DP={t.data_parallel} EP={t.expert_parallel}, sequence_parallel={t.sequence_parallel}, recompute={t.recompute}, "
              f"{t.precision}, distributed_optimizer={t.distributed_optimizer})",
              "  per GPU: " + ", ".join(f"{k} {v:.1f} GB" for k, v in e.trainer_gb.items()),
              f"generators: {g.num_generators} x {e.generator_gpus // max(1, g.num_generators)} GPUs "

@@ -127,3 +127,31 @@ def test_generator_tp_comes_from_the_config(tmp_path, capsys):
     cluster.write_text("gpu_memory_gb: 80\ngenerator_tp: 8\n")
     assert main(["estimate", str(EXAMPLES / "magistral_small.yaml"), "--cluster", str(cluster)]) == 1
     assert "disagrees with generator.tp_size" in capsys.readouterr().err
+
+
+def test_moe_example_fits_with_expert_parallel_and_counts_like_hf(capsys):
+    from megatron_rl.cli import main
+
+    name = "qwen3_moe_30b_a3b"
+    cfg = load_config(EXAMPLES / f"{name}.yaml")
+    shapes = shapes_of(cfg)
+    assert shapes.total == _hf_param_count(cfg.trainer.model) and 29e9 < shapes.total < 32e9
+    assert 3e9 < shapes.active < 3.6e9  # "A3B": top-8 of 128 experts
+    rc = main(["estimate", str(EXAMPLES / f"{name}.yaml"), "--cluster", str(EXAMPLES / f"{name}.cluster.yaml")])
+    assert rc == 0 and "EP=8" in capsys.readouterr().out
+    e = estimate(cfg, Cluster.load(EXAMPLES / f"{name}.cluster.yaml"), shapes)
+    assert e.fits and cfg.trainer.expert_parallel == 8
+
+    def with_ep(ep):
+        return estimate(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, expert_parallel=ep)),
+                        Cluster(), shapes)
+
+    # the experts (95% of the weights) are split over EP, the rest over TP
+    experts = shapes.layers * shapes.per_layer_experts
+    dense = shapes.total - experts
+    tp = cfg.trainer.tensor_parallel
+    for ep in (1, 4, 8):
+        want = 2 * (dense / tp + experts / ep) / 1024 ** 3
+        assert with_ep(ep).trainer_gb["weights"] == pytest.approx(want)
+    with pytest.raises(ValueError, match="do not split over expert_parallel=3"):
+        with_ep(3)

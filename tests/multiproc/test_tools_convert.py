@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support.torchrun import run_two_ranks
-from support.train_models import make_tiny_hf, smollm2_fp32_dir
+from support.train_models import make_tiny_hf, make_tiny_moe, smollm2_fp32_dir
 
 WORKER = Path(__file__).resolve().parent / "scripts" / "tools_convert_worker.py"
 TINY = {  # llama: even sizes (no TP padding); the others odd (padded at TP=2)
@@ -37,12 +37,15 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools_convert")
     sources = {"smollm2": smollm2_fp32_dir(tmp_path_factory.getbasetemp())}
     sources.update({name: make_tiny_hf(root / name, **spec) for name, spec in TINY.items()})
+    sources["qwen3_moe"] = make_tiny_moe(root / "qwen3_moe", seed=5)
     cases, exports = [], {}
     for name, src in sources.items():
         if name == "smollm2":  # TP=2 (padded: 3 -> 4 KV groups) read back at TP=1 x DP=2; 100 MB shards
             to_m, outs = {"tp": 2, "pp": 1}, [("tp1", 1, 1, 100)]
         elif name == "llama":  # resharding: TP=2 checkpoint read back at PP=2 and TP=1 (x DP=2)
             to_m, outs = {"tp": 2, "pp": 1}, [("pp2", 1, 2, 1), ("tp1", 1, 1, 1)]
+        elif name == "qwen3_moe":  # experts split over EP=2 (2 of 4 per rank) read back at EP=1 x DP=2
+            to_m, outs = {"tp": 1, "pp": 1, "ep": 2}, [("tp1", 1, 1, 1)]
         elif name == "mistral":  # TP padding added: unpadded PP=2 checkpoint read back at TP=2
             to_m, outs = {"tp": 1, "pp": 2}, [("tp2", 2, 1, 1)]
         else:  # TP padding removed: padded TP=2 checkpoint read back at TP=1 x DP=2; tiny shards
@@ -57,7 +60,8 @@ def converted(tmp_path_factory):
 
 
 def _export_keys():
-    return [("smollm2", "tp1"), ("llama", "pp2"), ("llama", "tp1"), ("mistral", "tp2"), ("qwen2_tied", "tp1"), ("qwen3", "tp1")]
+    return [("smollm2", "tp1"), ("llama", "pp2"), ("llama", "tp1"), ("mistral", "tp2"), ("qwen2_tied", "tp1"), ("qwen3", "tp1"),
+            ("qwen3_moe", "tp1")]
 
 
 @pytest.mark.parametrize("key", _export_keys(), ids=lambda k: f"{k[0]}-{k[1]}")

@@ -21,7 +21,7 @@ def main() -> None:
     report = {}
     for case in cases:
         m = case["to_megatron"]
-        hf_to_megatron(case["src"], case["ckpt"], ParallelLayout(m["tp"], m["pp"], dp=0), backend="gloo")
+        hf_to_megatron(case["src"], case["ckpt"], ParallelLayout(m["tp"], m["pp"], dp=0, ep=m.get("ep", 1)), backend="gloo")
         for e in case["exports"]:
             r = megatron_to_hf(case["ckpt"], e["out"], ParallelLayout(e["tp"], e["pp"], dp=0),
                                max_shard_bytes=e["shard_mb"] << 20, backend="gloo")

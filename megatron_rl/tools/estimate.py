@@ -86,6 +86,8 @@ class Shapes:
     experts: int = 0  # MoE: routed experts per layer (0 = dense)
     topk: int = 0  # MoE: experts per token
     qk_norm: bool = False  # Qwen3: a q and a k RMSNorm (head_dim each) per layer
+    shared_ffn: int = 0  # Qwen2-MoE: the gated shared expert's width (split over TP like a dense MLP)
+    qkv_bias: bool = False  # Qwen2 families
 
     @classmethod
     def from_hf(cls, c) -> "Shapes":
@@ -97,15 +99,19 @@ class Shapes:
                    getattr(c, "head_dim", None) or c.hidden_size // heads, ffn,
                    bool(getattr(c, "tie_word_embeddings", False)), experts,
                    int(getattr(c, "num_experts_per_tok", 0) or 0) if experts else 0,
-                   getattr(c, "model_type", "") in ("qwen3", "qwen3_moe"))
+                   getattr(c, "model_type", "") in ("qwen3", "qwen3_moe"),
+                   int(getattr(c, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
+                   getattr(c, "model_type", "") in ("qwen2", "qwen2_moe"))
 
     @property
     def per_layer_dense(self) -> int:
         """Attention, norms, and the dense MLP or the MoE router: what TP splits."""
         h, hd = self.hidden, self.head_dim
         qkv = h * (self.heads + 2 * self.kv_heads) * hd
-        mlp = self.experts * h if self.experts else 3 * h * self.ffn
-        return qkv + self.heads * hd * h + mlp + 2 * h + (2 * hd if self.qk_norm else 0)
+        shared = 3 * h * self.shared_ffn + h if self.shared_ffn else 0  # shared expert + its sigmoid gate
+        mlp = self.experts * h + shared if self.experts else 3 * h * self.ffn
+        bias = (self.heads + 2 * self.kv_heads) * hd if self.qkv_bias else 0
+        return qkv + bias + self.heads * hd * h + mlp + 2 * h + (2 * hd if self.qk_norm else 0)
 
     @property
     def per_layer_experts(self) -> int:

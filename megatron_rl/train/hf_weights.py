@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .model import ModelDims, layer_offset
-from .moe import ep_size_rank, expert_hf_name, router_hf_name
+from .moe import ep_size_rank, expert_hf_name, router_hf_name, shared_expert_hf_name
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -48,6 +48,9 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.weight": ("fc1", 0),
     "mlp.linear_fc2.weight": ("fc2", 1),
     "mlp.router.weight": ("router", None),
+    "mlp.shared_experts.linear_fc1.weight": ("shared_fc1", 0),  # Qwen2-MoE: [gate; up] like fc1
+    "mlp.shared_experts.linear_fc2.weight": ("shared_fc2", 1),
+    "mlp.shared_experts.gate_weight": ("shared_gate", None),
 }
 # kind "expert_fc1:<local j>" / "expert_fc2:<local j>"; made global ("...:<e>") before mapping to HF
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight|linear_(fc[12])\.weight(\d+))$")
@@ -114,6 +117,10 @@ def _full_megatron(kind: str, layer: int | None, get: Getter, d: ModelDims) -> t
         return get(_hf_layer(layer, f"self_attn.{kind}.weight"))
     if kind == "router":
         return get(router_hf_name(d.moe, layer))
+    if kind == "shared_fc1":
+        return torch.cat([get(shared_expert_hf_name(d.moe, layer, "gate")), get(shared_expert_hf_name(d.moe, layer, "up"))])
+    if kind in ("shared_fc2", "shared_gate"):
+        return get(shared_expert_hf_name(d.moe, layer, "down" if kind == "shared_fc2" else "gate_weight"))
     if kind.startswith("expert_fc1:"):
         e = int(kind.partition(":")[2])
         return torch.cat([get(expert_hf_name(d.moe, layer, e, "gate")), get(expert_hf_name(d.moe, layer, e, "up"))])
@@ -145,7 +152,7 @@ def _full_megatron(kind: str, layer: int | None, get: Getter, d: ModelDims) -> t
 def _shard(kind: str, dim: int | None, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     if dim is None or tp == 1:
         return full
-    if kind == "fc1":
+    if kind in ("fc1", "shared_fc1"):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
     return full.chunk(tp, dim=dim)[rank]
@@ -202,7 +209,7 @@ def _gather(kind: str, dim: int | None, local: torch.Tensor, tp: int) -> torch.T
 
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-    if kind == "fc1":
+    if kind in ("fc1", "shared_fc1"):
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=dim)
@@ -224,6 +231,11 @@ def _to_hf(kind: str, layer: int | None, full: torch.Tensor, d: ModelDims) -> li
         return [(_hf_layer(layer, f"self_attn.{kind}.weight"), full)]
     if kind == "router":
         return [(router_hf_name(d.moe, layer), full)]
+    if kind == "shared_fc1":
+        gate, up = full.chunk(2, dim=0)
+        return [(shared_expert_hf_name(d.moe, layer, "gate"), gate), (shared_expert_hf_name(d.moe, layer, "up"), up)]
+    if kind in ("shared_fc2", "shared_gate"):
+        return [(shared_expert_hf_name(d.moe, layer, "down" if kind == "shared_fc2" else "gate_weight"), full)]
     if kind.startswith("expert_fc1:"):
         e = int(kind.partition(":")[2])
         gate, up = full.chunk(2, dim=0)
@@ -319,6 +331,9 @@ def _meta_full(kind: str, d: ModelDims) -> torch.Tensor:
     }
     if d.moe is not None:
         shapes["router"] = (d.moe.num_experts, d.hidden_size)
+        shapes["shared_fc1"] = (2 * d.moe.shared_ffn_size, d.hidden_size)
+        shapes["shared_fc2"] = (d.hidden_size, d.moe.shared_ffn_size)
+        shapes["shared_gate"] = (1, d.hidden_size)
     if kind.startswith("expert_"):
         fc1 = kind.startswith("expert_fc1")
         shape = (2 * d.ffn_size, d.hidden_size) if fc1 else (d.hidden_size, d.ffn_size)

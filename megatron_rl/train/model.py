@@ -181,14 +181,14 @@ def model_dims(hf_config, tp: int = 1) -> ModelDims:
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe"):
         qkv_bias = True  # Qwen2 always has q/k/v biases (and no o_proj bias)
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
         if qkv_bias:
             raise UnsupportedModelError(f"attention_bias=True on {model_type} (o_proj bias) is not supported")
     sliding = getattr(hf_config, "sliding_window", None)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
         sliding = None
     moe = moe_dims(hf_config)
     ffn = moe.expert_ffn_size if moe else hf_config.intermediate_size

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral) on Megatron-Core's MoE layer.
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) on Megatron-Core's MoE layer.
 
 - `moe_dims(hf_config) -> MoeDims | None`: the router/expert shapes of an MoE HF config (None for
   dense families); unsupported variants raise `UnsupportedModelError`.
@@ -10,6 +10,8 @@
 Routing: every family here takes a softmax over all experts and keeps the top k; renormalising the
 k kept probabilities (Mixtral always, Qwen3-MoE with `norm_topk_prob`) equals Megatron's softmax over
 the top-k logits (`moe_router_pre_softmax=False`), not renormalising is `moe_router_pre_softmax=True`.
+Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate . x): Megatron's SharedExpertMLP
+with `moe_shared_expert_gate` (TP-split like a dense MLP; its width must divide by TP, no padding).
 The router runs in fp32 (`moe_router_dtype`).
 
 Experts: expert tensor parallel is 1 (each expert whole on one rank); expert parallel (`layout.ep`)
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # HF names of an expert's (gate, up, down) projections and of the router, per family
-_EXPERT_PARTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
-_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+_EXPERT_PARTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("w1", "w3", "w2")}
+_BLOCK = {"qwen3_moe": "mlp", "qwen2_moe": "mlp", "mixtral": "block_sparse_moe"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class MoeDims:
     topk: int
     expert_ffn_size: int
     renormalize_topk: bool
+    shared_ffn_size: int = 0  # Qwen2-MoE: the gated shared expert's width (0 = none)
 
 
 def moe_dims(hf_config) -> MoeDims | None:
@@ -43,12 +47,13 @@ def moe_dims(hf_config) -> MoeDims | None:
     family = getattr(hf_config, "model_type", None)
     if family not in MOE_MODEL_TYPES:
         return None
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-            raise UnsupportedModelError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step != 1) "
+            raise UnsupportedModelError(f"{family} with dense layers (mlp_only_layers / decoder_sparse_step != 1) "
                                         "is not supported")
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
         return MoeDims(family, int(hf_config.num_experts), int(hf_config.num_experts_per_tok),
-                       int(hf_config.moe_intermediate_size), bool(hf_config.norm_topk_prob))
+                       int(hf_config.moe_intermediate_size), bool(hf_config.norm_topk_prob), shared)
     if getattr(hf_config, "router_jitter_noise", 0.0):
         raise UnsupportedModelError("mixtral router_jitter_noise != 0 is not supported")
     return MoeDims(family, int(hf_config.num_local_experts), int(hf_config.num_experts_per_tok),
@@ -58,6 +63,9 @@ def moe_dims(hf_config) -> MoeDims | None:
 def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0) -> dict:
     if moe.num_experts % layout.ep:
         raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert_parallel={layout.ep}")
+    if moe.shared_ffn_size % layout.tp:
+        raise ValueError(f"shared_expert_intermediate_size={moe.shared_ffn_size} is not divisible by "
+                         f"tensor_parallel={layout.tp}")
     if layout.tp > 1 and not layout.sequence_parallel:
         raise ValueError("MoE with tensor_parallel > 1 needs sequence_parallel: true (Megatron's MoE layer "
                          "refuses to train without it)")
@@ -68,7 +76,8 @@ def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float
         moe_router_load_balancing_type="aux_loss" if router_aux_loss > 0 else "none",
         moe_aux_loss_coeff=float(router_aux_loss),
         moe_token_dispatcher_type="alltoall" if use_te else "allgather",
-        moe_grouped_gemm=bool(use_te), expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1)
+        moe_grouped_gemm=bool(use_te), expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
+        moe_shared_expert_intermediate_size=moe.shared_ffn_size or None, moe_shared_expert_gate=bool(moe.shared_ffn_size))
 
 
 def router_hf_name(moe: MoeDims, layer: int) -> str:
@@ -80,6 +89,13 @@ def expert_hf_name(moe: MoeDims, layer: int, expert: int, part: str) -> str:
     gate, up, down = _EXPERT_PARTS[moe.family]
     name = {"gate": gate, "up": up, "down": down}[part]
     return f"model.layers.{layer}.{_BLOCK[moe.family]}.experts.{expert}.{name}.weight"
+
+
+def shared_expert_hf_name(moe: MoeDims, layer: int, part: str) -> str:
+    """`part`: gate | up | down | gate_weight (the sigmoid gate's [1, hidden] weight)."""
+    if part == "gate_weight":
+        return f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+    return f"model.layers.{layer}.mlp.shared_expert.{part}_proj.weight"
 
 
 def ep_size_rank() -> tuple[int, int]:

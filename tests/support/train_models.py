@@ -41,9 +41,10 @@ def make_tiny_hf(out: Path, family: str = "llama", layers: int = 2, hidden: int 
 
 def make_tiny_moe(out: Path, family: str = "qwen3_moe", layers: int = 2, hidden: int = 48, heads: int = 6,
                   kv_heads: int = 3, head_dim: int = 12, experts: int = 4, topk: int = 2, expert_ffn: int = 40,
-                  vocab: int = 301, renormalize: bool = True, seed: int = 0) -> Path:
+                  vocab: int = 301, renormalize: bool = True, seed: int = 0, shared_ffn: int = 56) -> Path:
     """Random tiny MoE HF model (per-expert safetensors, as HF checkpoints store them)."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
@@ -52,6 +53,10 @@ def make_tiny_moe(out: Path, family: str = "qwen3_moe", layers: int = 2, hidden:
         cfg = Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=expert_ffn, intermediate_size=3 * expert_ffn,
                              norm_topk_prob=renormalize, **common)
         model_cls = Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":  # + q/k/v bias and a sigmoid-gated shared expert
+        cfg = Qwen2MoeConfig(num_experts=experts, moe_intermediate_size=expert_ffn, intermediate_size=3 * expert_ffn,
+                             shared_expert_intermediate_size=shared_ffn, norm_topk_prob=renormalize, **common)
+        model_cls = Qwen2MoeForCausalLM
     else:
         cfg = MixtralConfig(num_local_experts=experts, intermediate_size=expert_ffn, **common)
         model_cls = MixtralForCausalLM
@@ -59,9 +64,9 @@ def make_tiny_moe(out: Path, family: str = "qwen3_moe", layers: int = 2, hidden:
     model = model_cls(cfg).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):  # a spread-out router: no near-ties in the top-k
+            elif name.endswith("mlp.gate.weight"):  # a spread-out router: no near-ties in the top-k
                 p.normal_(0.0, 0.5)
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True)

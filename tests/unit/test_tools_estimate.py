@@ -155,3 +155,12 @@ def test_moe_example_fits_with_expert_parallel_and_counts_like_hf(capsys):
         assert with_ep(ep).trainer_gb["weights"] == pytest.approx(want)
     with pytest.raises(ValueError, match="do not split over expert_parallel=3"):
         with_ep(3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_shapes_count_parameters_like_hf(tmp_path, family):
+    from support.train_models import make_tiny_moe
+
+    folder = make_tiny_moe(tmp_path / family, family=family)
+    cfg = load_config(None, [f"trainer.model={folder}"])
+    assert shapes_of(cfg).total == _hf_param_count(folder)

@@ -12,6 +12,7 @@ VARIANTS = {
     "qwen3_moe_renorm": dict(family="qwen3_moe"),
     "qwen3_moe_no_renorm": dict(family="qwen3_moe", renormalize=False, topk=3, seed=1),
     "mixtral": dict(family="mixtral", seed=2),
+    "qwen2_moe_shared": dict(family="qwen2_moe", renormalize=False, seed=3),  # + gated shared expert, qkv bias
 }
 
 

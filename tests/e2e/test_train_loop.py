@@ -23,6 +23,7 @@ import yaml
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.data import read_jsonl as read_problems
+from support.metric_logs import assert_same, jsonl_numbers, tensorboard_scalars
 from support.runs import launch_train
 
 pytestmark = pytest.mark.timeout(900)
@@ -140,8 +141,11 @@ def test_reward_rises_through_generator_and_verifier_crashes(tmp_path, policy, f
 
 
 def test_sigterm_checkpoints_and_resume_loses_and_repeats_nothing(tmp_path, policy, free_port):
+    """Also with run.loggers tensorboard: its event files, read back, hold the numbers of metrics.jsonl
+    under the same names and updates, across the resume."""
     port = 33000 + free_port % 2000
-    config = _config(tmp_path, policy, port, run={"output_dir": str(tmp_path / "run"), "updates": 8})
+    config = _config(tmp_path, policy, port, run={"output_dir": str(tmp_path / "run"), "updates": 8,
+                                                  "loggers": ["jsonl", "tensorboard"]})
     run_dir = tmp_path / "run"
     proc = launch_train(config)
     _wait_for_updates(proc, run_dir, 3)
@@ -161,6 +165,9 @@ def test_sigterm_checkpoints_and_resume_loses_and_repeats_nothing(tmp_path, poli
     assert json.loads((run_dir / "summary.json").read_text())["updates"] == 8
     assert _controller_state(run_dir)["updates_done"] == 8 > stopped_at
     _assert_every_prompt_accounted_once(run_dir, policy[1])
+    scalars = tensorboard_scalars(run_dir)
+    assert sorted(scalars["train/loss"]) == list(range(1, 9)) and "reward/mean" in scalars
+    assert_same(scalars, jsonl_numbers(run_dir))
 
 
 def _finish_failing(proc: subprocess.Popen) -> str:

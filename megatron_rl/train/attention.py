@@ -22,6 +22,15 @@ i - left <= j <= i. Megatron's local module replaces the packing mask with a who
 (leaking across segments), so windows are applied here per segment, exactly. Not supported (raise at
 construction): attention dropout > 0, non-vanilla softmax types.
 
+One call per packed row on CUDA: with fp16/bf16 inputs, no CP, and torch's
+`torch.nn.attention.varlen.varlen_attn` (flash attention over cu_seqlens, torch >= 2.9), all segments of
+the micro-batch go through that single kernel instead of one SDPA call per segment (the per-segment
+loop launched ~one SDPA per segment per layer and made small-model steps launch bound). What the
+installed torch's varlen_attn accepts is read off its signature at import: a sliding window needs its
+`window_size`, a non-default softmax scale its `scale`; without `enable_gqa` K/V heads are repeated.
+Otherwise (CPU, fp32, CP, head dim not a multiple of 8 or > 256, or the first call raising), the
+per-segment SDPA loop runs: same result, more launches. `SegmentCausalAttention.varlen` says which.
+
 Context parallel (config.context_parallel_size > 1): q/k/v hold this CP rank's load-balanced chunks
 and `cu_seqlens_q` the whole row's boundaries (or, with no mask, each row is one causal sequence
 split the same way); `cp_attention.cp_attention` gathers K/V over the CP group and masks by global
@@ -29,7 +38,9 @@ positions. Explicit [T, T] masks are refused under CP.
 """
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 import weakref
 from typing import Optional
 
@@ -49,6 +60,23 @@ class UnsupportedMaskError(ValueError):
 
 # One mask object serves every layer of a forward: remember the segments read off the last one.
 _MASK_CACHE: dict = {"ref": None, "version": -1, "segments": None}
+# Likewise one PackedSeqParams object per micro-batch forward: its boundaries are read to the host
+# (a device sync) once, not once per layer.
+_PACKED_CACHE: dict = {"ref": None, "key": None, "segments": None, "cu": {}}
+
+
+def _load_varlen():
+    """torch's varlen_attn and the names of its parameters; (None, empty) on a torch without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    except (ImportError, TypeError, ValueError):
+        return None, frozenset()
+
+
+_VARLEN_ATTN, _VARLEN_PARAMS = _load_varlen()
+# (dtype, head dim, window, gqa) combinations whose first varlen call raised: the loop serves them
+_VARLEN_FAILED: set = set()
 
 
 def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
@@ -95,6 +123,37 @@ def _cached_mask_segments(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
     segments = segments_from_mask(mask)
     _MASK_CACHE.update(ref=weakref.ref(mask), version=mask._version, segments=segments)
     return segments
+
+
+def _packed_segments(params, total: int, device: torch.device) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """Segments of THD `params` over `total` tokens and their int32 boundaries on `device`, checked
+    and read to the host once per params object (every layer of a forward gets the same one)."""
+    if params.qkv_format != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: only 'thd'")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        if getattr(params, name, None) is not None:
+            raise ValueError(f"packed_seq_params.{name} is not supported")
+    q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
+    key = (id(q), q._version, id(kv), None if kv is None else kv._version, total)
+    ref = _PACKED_CACHE["ref"]
+    if ref is None or ref() is not params or _PACKED_CACHE["key"] != key:
+        if kv is not None and not torch.equal(q.cpu(), kv.cpu()):
+            raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        segments = segments_from_cu_seqlens(q, total)
+        _PACKED_CACHE.update(ref=weakref.ref(params), key=key, segments=segments, cu={})
+    segments, by_device = _PACKED_CACHE["segments"], _PACKED_CACHE["cu"]
+    if device not in by_device:  # empty segments dropped: the kernel sees exactly the checked ones
+        bounds = [0] + [e for _, e in segments]
+        by_device[device] = torch.tensor(bounds, dtype=torch.int32).to(device)
+    return segments, by_device[device]
+
+
+def _row_bounds(rows: list[list[tuple[int, int]]], b: int, s: int, device) -> torch.Tensor:
+    """int32 boundaries of every row's segments over the b*s tokens taken row after row."""
+    bounds = [0]
+    for r in range(b):
+        bounds += [r * s + e for a, e in rows[r if len(rows) > 1 else 0] if e > a]
+    return torch.tensor(bounds, dtype=torch.int32).to(device)
 
 
 def _window_mask(length: int, left: int, device) -> torch.Tensor:
@@ -146,18 +205,30 @@ class SegmentCausalAttention(MegatronModule):
                 raise ValueError(f"window_size={config.window_size}: only causal windows (left, 0)")
             window = None if left < 0 else int(left)
         self.window_left = window
+        reason = self._varlen_unusable()
+        self.varlen = reason is None  # one varlen_attn call per micro-batch on CUDA fp16/bf16
+        self.varlen_unusable_reason = reason
 
-    def _segments(self, s: int, b: int, attention_mask, attn_mask_type, packed_seq_params):
-        if packed_seq_params is not None:
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd'")
-            for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-                if getattr(packed_seq_params, name, None) is not None:
-                    raise ValueError(f"packed_seq_params.{name} is not supported")
-            q, kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-            if kv is not None and not torch.equal(q.cpu(), kv.cpu()):
-                raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
-            return [segments_from_cu_seqlens(q, s * self.cp_size)]  # whole-row boundaries under CP
+    def _varlen_unusable(self) -> Optional[str]:
+        """Why this layer can never use varlen_attn (None: it can, on CUDA with fp16/bf16 inputs)."""
+        if _VARLEN_ATTN is None:
+            return "torch has no torch.nn.attention.varlen.varlen_attn"
+        if self.cp_size > 1:
+            return "context parallel attention gathers K/V itself"
+        if self.head_dim % 8 or self.head_dim > 256:
+            return f"head dim {self.head_dim}: flash attention needs a multiple of 8, at most 256"
+        if "window_size" not in _VARLEN_PARAMS:
+            if self.window_left is not None:
+                return "this torch's varlen_attn has no window_size (sliding window)"
+            if "is_causal" not in _VARLEN_PARAMS:
+                return "this torch's varlen_attn has neither window_size nor is_causal"
+        if "scale" not in _VARLEN_PARAMS and not math.isclose(self.softmax_scale, self.head_dim ** -0.5):
+            return "this torch's varlen_attn has no scale and the softmax scale is not 1/sqrt(head dim)"
+        return None
+
+    def _segments(self, s: int, b: int, attention_mask, attn_mask_type, packed_seq_params, device):
+        if packed_seq_params is not None:  # whole-row boundaries under CP
+            return [_packed_segments(packed_seq_params, s * self.cp_size, device)[0]]
         if attention_mask is not None:
             if self.cp_size > 1:
                 raise UnsupportedMaskError("context parallelism needs packed_seq_params (THD) or no mask")
@@ -199,7 +270,17 @@ class SegmentCausalAttention(MegatronModule):
         if nq != self.heads_per_rank or key.shape[2] != self.groups_per_rank:
             raise ValueError(f"expected {self.heads_per_rank} query heads and {self.groups_per_rank} groups "
                              f"per rank, got {nq} and {key.shape[2]}")
-        rows = self._segments(s, b, attention_mask, attn_mask_type, packed_seq_params)
+        rows = self._segments(s, b, attention_mask, attn_mask_type, packed_seq_params, query.device)
+        multi_segment = len(rows) > 1 or len(rows[0]) > 1
+        if multi_segment and self._varlen_applies(query):
+            if packed_seq_params is not None and b == 1:  # THD: the trainer's path, no copy
+                cu = _packed_segments(packed_seq_params, s, query.device)[1]
+            else:
+                cu = _row_bounds(rows, b, s, query.device)
+            max_len = max(e - a for segs in rows for a, e in segs)
+            out = self._varlen_rows(query, key, value, cu, max_len)
+            if out is not None:
+                return out
         # [s, b, h, hn] -> [b, h, s, hn]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         if self.cp_size > 1:
@@ -217,6 +298,44 @@ class SegmentCausalAttention(MegatronModule):
             out = torch.cat(outs, dim=0) if b > 1 else outs[0]
         out = out.permute(2, 0, 1, 3).reshape(s, b, nq * hn)  # [s, b, np * hn]
         return out
+
+    def _varlen_key(self, query: torch.Tensor) -> tuple:
+        return (query.device.type, query.dtype, self.head_dim, self.window_left,
+                self.heads_per_rank != self.groups_per_rank)
+
+    def _varlen_applies(self, query: torch.Tensor) -> bool:
+        return (self.varlen and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                and self._varlen_key(query) not in _VARLEN_FAILED)
+
+    def _varlen_rows(self, query, key, value, cu: torch.Tensor, max_len: int) -> Optional[torch.Tensor]:
+        """[s, b, np, hn] q and [s, b, ng, hn] k/v, segments `cu` over the b*s tokens taken row after
+        row -> context [s, b, np * hn]; None when this torch's kernel refused (the loop takes over)."""
+        s, b, nq, hn = query.shape
+        q, k, v = (x.transpose(0, 1).reshape(b * s, x.shape[2], hn) for x in (query, key, value))
+        kw = {}
+        if "scale" in _VARLEN_PARAMS:
+            kw["scale"] = self.softmax_scale
+        if "window_size" in _VARLEN_PARAMS:  # (-1, 0): causal; (left, 0): causal sliding window
+            kw["window_size"] = (-1 if self.window_left is None else self.window_left, 0)
+        else:
+            kw["is_causal"] = True
+        if nq != k.shape[1]:
+            if "enable_gqa" in _VARLEN_PARAMS:
+                kw["enable_gqa"] = True
+            else:  # SDPA's GQA: query head h reads K/V group h // (np / ng)
+                k, v = (x.repeat_interleave(nq // x.shape[1], dim=1) for x in (k, v))
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        key_ = self._varlen_key(query)
+        try:
+            out = _VARLEN_ATTN(q, k, v, cu, cu, max_len, max_len, **kw)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (NotImplementedError, RuntimeError) as err:
+            _VARLEN_FAILED.add(key_)
+            warnings.warn(f"SegmentCausalAttention: torch varlen_attn failed for {key_} ({err}); "
+                          "computing attention per segment with SDPA instead", RuntimeWarning)
+            return None
+        return out.view(b, s, nq * hn).transpose(0, 1).contiguous()  # [s, b, np * hn]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         return {}  # no parameters nor buffers (vanilla softmax only)

@@ -1,12 +1,14 @@
-"""Core attention on one packed bin: megatron_rl's SegmentCausalAttention (per-segment causal SDPA)
-vs Megatron-Core's DotProductAttention (full bin x bin float32 scores + block-diagonal mask), in one run.
+"""Core attention on one packed bin: megatron_rl's SegmentCausalAttention (on CUDA with bf16: one
+torch varlen_attn call for the bin; else per-segment causal SDPA), the same module forced to its
+per-segment SDPA loop, and Megatron-Core's DotProductAttention (full bin x bin float32 scores +
+block-diagonal mask), in one run.
 
     .venv/bin/python benchmarks/attention.py [--bin 1024] [--min-len 64] [--max-len 256]
         [--heads 9] [--groups 3] [--head-dim 64] [--precision fp32|bf16] [--rounds 5]
 
 Default shapes are SmolLM2-135M's (9 heads, 3 KV groups, head dim 64) on the trainer benchmark's
-bins. One timed call is forward + backward of sum(out * w) on random q/k/v; the two modules
-alternate (swapped order every round) and the printed ratio is the median of per-round ratios.
+bins. One timed call is forward + backward of sum(out * w) on random q/k/v; the modules alternate
+(order rotated every round) and the printed ratios are medians of per-round ratios.
 """
 from __future__ import annotations
 
@@ -61,7 +63,9 @@ def main() -> None:
         masked_softmax_fusion=False, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_cpu_initialization=device.type == "cpu")
     kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-    ours, ref = SegmentCausalAttention(**kw), DotProductAttention(**kw)
+    ours, loop, ref = SegmentCausalAttention(**kw), SegmentCausalAttention(**kw), DotProductAttention(**kw)
+    loop.varlen = False  # the per-segment SDPA loop (what CPU, fp32 and CP run)
+    fast = ours.varlen and device.type == "cuda" and dtype != torch.float32
 
     lengths = _segments(args.bin, args.min_len, args.max_len)
     t = args.bin
@@ -88,6 +92,7 @@ def main() -> None:
 
     # same result first (the tests check this to 1e-6; here just a sanity line)
     diff = (step(ours, True).float() - step(ref, False).float()).abs().max().item()
+    diff_loop = (step(ours, True).float() - step(loop, True).float()).abs().max().item()
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
@@ -96,17 +101,22 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    t_ours, t_ref = [], []
+    t_ours, t_loop, t_ref = [], [], []
+    runs = [(t_ours, lambda: step(ours, True)), (t_loop, lambda: step(loop, True)), (t_ref, lambda: step(ref, False))]
     for i in range(args.rounds):
-        pair = [(t_ours, lambda: step(ours, True)), (t_ref, lambda: step(ref, False))]
-        for acc, fn in (pair if i % 2 == 0 else pair[::-1]):
+        for acc, fn in runs[i % 3:] + runs[:i % 3]:
             acc.append(timed(fn))
     ratio = statistics.median(r / o for o, r in zip(t_ours, t_ref))
+    ratio_loop = statistics.median(lp / o for o, lp in zip(t_ours, t_loop))
     work = sum(n * n for n in lengths) / (t * t)
     print(f"bin {t} tokens, {len(lengths)} segments (lengths {lengths}), {args.heads} heads / {args.groups} "
           f"groups x {args.head_dim}, {args.precision}, device {device.type}, threads {torch.get_num_threads()}")
-    print(f"score work sum(L^2) / T^2 = {work:.3f}; max |difference| of outputs {diff:.2e}")
-    print(f"SegmentCausalAttention fwd+bwd: {statistics.median(t_ours) * 1e3:8.2f} ms")
+    print(f"score work sum(L^2) / T^2 = {work:.3f}; max |difference| of outputs {diff:.2e} "
+          f"(vs the loop {diff_loop:.2e})")
+    print(f"SegmentCausalAttention fwd+bwd: {statistics.median(t_ours) * 1e3:8.2f} ms "
+          f"({'one varlen_attn call' if fast else 'per-segment SDPA: ' + str(ours.varlen_unusable_reason or 'CPU/fp32')})")
+    print(f"  per-segment SDPA loop fwd+bwd: {statistics.median(t_loop) * 1e3:8.2f} ms "
+          f"(loop / SegmentCausalAttention: {ratio_loop:.2f}x)")
     print(f"DotProductAttention    fwd+bwd: {statistics.median(t_ref) * 1e3:8.2f} ms")
     print(f"speed-up SegmentCausalAttention / DotProductAttention: {ratio:.2f}x (median of per-round ratios)")
     destroy_parallel(destroy_process_group=True)

@@ -30,6 +30,7 @@ installed torch's varlen_attn accepts is read off its signature at import: a sli
 `window_size`, a non-default softmax scale its `scale`; without `enable_gqa` K/V heads are repeated.
 Otherwise (CPU, fp32, CP, head dim not a multiple of 8 or > 256, or the first call raising), the
 per-segment SDPA loop runs: same result, more launches. `SegmentCausalAttention.varlen` says which.
+Constructing the module also installs `packed_rope` (Megatron's unfused THD RoPE, vectorised).
 
 Context parallel (config.context_parallel_size > 1): q/k/v hold this CP rank's load-balanced chunks
 and `cu_seqlens_q` the whole row's boundaries (or, with no mask, each row is one causal sequence
@@ -51,6 +52,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from . import packed_rope
 from .cp_attention import cp_attention
 
 
@@ -205,6 +207,8 @@ class SegmentCausalAttention(MegatronModule):
                 raise ValueError(f"window_size={config.window_size}: only causal windows (left, 0)")
             window = None if left < 0 else int(left)
         self.window_left = window
+        # the packed rows this module attends per segment get their RoPE in one apply per call too
+        packed_rope.install()
         reason = self._varlen_unusable()
         self.varlen = reason is None  # one varlen_attn call per micro-batch on CUDA fp16/bf16
         self.varlen_unusable_reason = reason

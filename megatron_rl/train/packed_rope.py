@@ -26,7 +26,7 @@ _CACHE: dict = {"key": None, "refs": None, "positions": None, "cos_sin": {}}
 
 
 def _positions(cu_seqlens: torch.Tensor, total: int, max_positions: int) -> torch.Tensor:
-    """Per-token offset in its segment (long, on cu_seqlens' device), boundaries checked."""
+    """Per-token offset in its segment (long, on the CPU), boundaries checked."""
     cu = [int(x) for x in cu_seqlens.tolist()]
     if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens {cu} do not describe a packing of {total} tokens")
@@ -34,7 +34,7 @@ def _positions(cu_seqlens: torch.Tensor, total: int, max_positions: int) -> torc
     if longest > max_positions:
         raise ValueError(f"a packed segment of {longest} tokens exceeds the {max_positions} RoPE positions")
     starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
-    return (torch.arange(total) - starts).to(cu_seqlens.device)
+    return torch.arange(total) - starts
 
 
 def packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, mscale: float,

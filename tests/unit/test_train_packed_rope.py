@@ -7,6 +7,7 @@ import torch
 
 LENGTHS = [7, 1, 12, 3, 9]
 HEADS, DIM = 3, 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _config(interleaved=False):
@@ -20,10 +21,10 @@ def _inputs(dtype, seed=0):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     g = torch.Generator().manual_seed(seed)
-    t = torch.randn(sum(LENGTHS), HEADS, DIM, generator=g).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
-    freqs = RotaryEmbedding(kv_channels=DIM, rotary_percent=1.0, rotary_base=10000.0)(max(LENGTHS), packed_seq=True)
-    return t, cu, freqs
+    t = torch.randn(sum(LENGTHS), HEADS, DIM, generator=g).to(DEVICE, dtype)
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    rope = RotaryEmbedding(kv_channels=DIM, rotary_percent=1.0, rotary_base=10000.0, use_cpu_initialization=True)
+    return t, cu, rope(max(LENGTHS), packed_seq=True).to(DEVICE)
 
 
 def _apply(fn, t, freqs, config, cu, mscale, cp_group):

@@ -139,7 +139,7 @@ def _packed_segments(params, total: int, device: torch.device) -> tuple[list[tup
     key = (id(q), q._version, id(kv), None if kv is None else kv._version, total)
     ref = _PACKED_CACHE["ref"]
     if ref is None or ref() is not params or _PACKED_CACHE["key"] != key:
-        if kv is not None and not torch.equal(q.cpu(), kv.cpu()):
+        if kv is not None and kv is not q and not torch.equal(q.cpu(), kv.cpu()):
             raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
         segments = segments_from_cu_seqlens(q, total)
         _PACKED_CACHE.update(ref=weakref.ref(params), key=key, segments=segments, cu={})
@@ -339,7 +339,7 @@ class SegmentCausalAttention(MegatronModule):
             warnings.warn(f"SegmentCausalAttention: torch varlen_attn failed for {key_} ({err}); "
                           "computing attention per segment with SDPA instead", RuntimeWarning)
             return None
-        return out.view(b, s, nq * hn).transpose(0, 1).contiguous()  # [s, b, np * hn]
+        return out.reshape(b, s, nq * hn).transpose(0, 1).contiguous()  # [s, b, np * hn]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         return {}  # no parameters nor buffers (vanilla softmax only)

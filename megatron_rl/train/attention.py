@@ -77,7 +77,7 @@ def _load_varlen():
 
 
 _VARLEN_ATTN, _VARLEN_PARAMS = _load_varlen()
-# (dtype, head dim, window, gqa) combinations whose first varlen call raised: the loop serves them
+# (device type, dtype, head dim, window, gqa) whose first varlen call raised: the loop serves them
 _VARLEN_FAILED: set = set()
 
 

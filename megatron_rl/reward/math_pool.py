@@ -46,13 +46,21 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """poll, not select: select() refuses descriptors >= FD_SETSIZE (1024), which a long-lived
+    process (a controller with loggers, servers and pools) can reach."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
+
+
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
     """n bytes from fd, or None on EOF; raises TimeoutError past the deadline."""
     chunks, got = [], 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not _readable(fd, left):
                 raise TimeoutError
         chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:

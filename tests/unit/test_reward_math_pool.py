@@ -51,6 +51,30 @@ def test_ok_and_reuse(pool):
     assert pool.call(("pid",), 5).value == pid and pid != os.getpid()
 
 
+def test_descriptors_above_fd_setsize():
+    """A long-lived process may hold > 1024 descriptors (select() refuses those): results and time
+    limits still work."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        p = WorkerPool(_job, max_workers=1)
+        try:
+            assert p.call(("ok", 4), 5).value == 8
+            assert p.call(("spin",), 0.3).status == "timeout"
+            assert p.call(("ok", 5), 5).value == 10
+        finally:
+            p.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_timeout_kills_and_replaces_the_worker(pool):
     pid = pool.call(("pid",), 5).value
     res = pool.call(("spin",), 0.5)

@@ -82,4 +82,5 @@ def test_replace_mode_and_validation(endpoint):
 
 def test_unreachable_endpoint_is_a_clear_error(free_port):
     with pytest.raises(EndpointError):
-        ChatClient(f"http://127.0.0.1:{free_port}", timeout_s=2).chat([{"role": "user", "content": "hi"}])
+        ChatClient(f"http://127.0.0.1:{free_port}", timeout_s=2, retries=2, backoff_s=0.01).chat(
+            [{"role": "user", "content": "hi"}])

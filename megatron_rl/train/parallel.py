@@ -157,6 +157,16 @@ def dp_cp_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
+def dp_sum_ints(values: list[int], device: torch.device) -> list[int]:
+    """Integer counts summed over the data-parallel group (float64 on the wire: exact below 2**53)."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return [int(v) for v in t.tolist()]
+
+
 def pp_rank() -> int:
     from megatron.core import parallel_state as ps
 

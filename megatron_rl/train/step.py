@@ -58,7 +58,7 @@ from megatron_rl.ops import SequenceKL, fused_clipped_loss
 from megatron_rl.train.device import model_device
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, pack_sequences, split_balanced
-from megatron_rl.train.parallel import cp_size_rank, dp_cp_group
+from megatron_rl.train.parallel import cp_size_rank, dp_cp_group, dp_sum_ints
 
 Objective = Literal["rl", "sft"]
 # Reduced per micro-batch: sums, then mins/maxes (order matters for the all-reduce below).
@@ -273,15 +273,6 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
     return out
 
 
-def _all_reduce_int(values: list[int], device: torch.device) -> list[int]:
-    from megatron.core import parallel_state as ps
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return [int(v) for v in t.tolist()]
-
-
 @dataclass
 class ForwardBackwardResult:
     metrics: dict[str, float]  # reduced over micro-batches and DP ranks, identical on every rank
@@ -372,7 +363,7 @@ def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMiniba
     stores = _schedule(model, prepared, partial(_forward_step, ctx, objective), forward_only)
     device = model_device(model)
     metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx, device)
-    real, packed_tok = _all_reduce_int([packed.stats.real_tokens, packed.stats.packed_tokens], device)
+    real, packed_tok = dp_sum_ints([packed.stats.real_tokens, packed.stats.packed_tokens], device)
     # naive baseline: every sequence of the minibatch padded to its longest one
     naive = len(seqs) * max(len(s.token_ids) for s in seqs)
     n_mbs = len(packed.micro_batches)

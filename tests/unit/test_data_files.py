@@ -54,7 +54,7 @@ def test_rows_become_problems_under_the_configured_keys(tmp_path, fmt):
     assert [p.prompt for p in problems] == ["What is 2+3?", "Echo the input.", "What is 7*6?"]
     assert problems[2].messages == ROWS[2]["question"] and problems[0].messages is None
     # the default keys do not find these columns: the setting changes what is read
-    with pytest.raises(DataError, match=rf"(:1|row 0): prompt column 'prompt' \(data.prompt_key\) is missing"):
+    with pytest.raises(DataError, match=r"(:1|row 0): prompt column 'prompt' \(data.prompt_key\) is missing"):
         read_problems(str(path))
 
 

@@ -16,7 +16,6 @@ import torch
 
 from megatron_rl.algo.kl import kl_k2_loss
 from megatron_rl.algo.loss import clipped_token_loss
-from megatron_rl.config import config_from_dict
 from megatron_rl.records import Batch, TrainSequence
 from support.policies import EPS_HIGH, EPS_LOW, completion_logprobs, hf_model, hf_policy, make_trainer
 

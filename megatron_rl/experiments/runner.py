@@ -44,6 +44,14 @@ def _call(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit status {status}); run the experiment command again to continue")
 
 
+def sft_arguments(base_config: Path, data: Path, sft_dir: Path) -> list[str]:
+    """`megatron-rl sft` arguments of the demo's cold start (examples/cpu_demo.sh). The base config's
+    data paths are set per run, so they are given here too: the config must validate."""
+    return [str(base_config), "trainer.lr=5e-5", f"run.output_dir={sft_dir}",
+            f"data.path={data / 'problems.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}",
+            "--data", str(data / "sft.jsonl"), "--batch-size", "8", "--epochs", "1"]
+
+
 def prepare(prep_dir: Path, base_config: Path, base_model: str | None, data_dir: str | None) -> tuple[str, Path]:
     """(model for RL, data directory): the demo's data and SFT cold start, each made once."""
     data = Path(data_dir) if data_dir else prep_dir / "data"
@@ -57,8 +65,7 @@ def prepare(prep_dir: Path, base_config: Path, base_model: str | None, data_dir:
     if not (hf_dir / "config.json").is_file():
         sft_dir = prep_dir / "sft"
         if not holds_checkpoints(sft_dir / "checkpoints"):  # the demo's cold start (examples/cpu_demo.sh)
-            _call(_cli("sft", str(base_config), "trainer.lr=5e-5", f"run.output_dir={sft_dir}",
-                       "--data", str(data / "sft.jsonl"), "--batch-size", "8", "--epochs", "1"), "SFT cold start")
+            _call(_cli("sft", *sft_arguments(base_config, data, sft_dir)), "SFT cold start")
         _call(_cli("convert", "to-hf", str(sft_dir / "checkpoints"), str(hf_dir), "--hf-config", "smollm2-135m"),
               "export to HF")
     return str(hf_dir), data

@@ -42,6 +42,15 @@ def test_issue_19_experiments_exist_and_every_arm_is_a_valid_config(tmp_path, da
     assert cfg["data"]["seed"] == 1 and cfg["trainer"]["seed"] == exp.base["trainer"]["seed"] + 1
 
 
+def test_the_cold_start_command_is_a_valid_sft_config(tmp_path, data_dir):
+    from megatron_rl.config import load_config
+
+    args = runner.sft_arguments(runner.ROOT / "experiments" / "base.yaml", data_dir, tmp_path / "sft")
+    config_file, overrides = args[0], [a for a in args[1:] if "=" in a]
+    cfg = load_config(config_file, overrides)
+    assert (cfg.trainer.lr, cfg.data.path) == (5e-5, str(data_dir / "problems.jsonl"))
+
+
 def test_bad_arm_or_override_names_the_file(tmp_path, data_dir):
     exp = load_experiment("adv_norm")
     with pytest.raises(ExperimentError, match="no arm"):

@@ -367,8 +367,7 @@ class Config:
 
 
 def config_from_dict(data: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    tree = dict(data or {})
-    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
     for ov in overrides:
         apply_override(Config, tree, ov)
     cfg = build(Config, tree, "")
@@ -391,10 +390,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def load_config_args(config: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """`load_config` for a command line `[CONFIG] [key=value ...]`: a first argument with `=` is an
     override, not a file (so `megatron-rl sft trainer.lr=1e-5` works without a YAML file)."""
-    overrides = list(overrides)
     if config is not None and "=" in config:
-        overrides.insert(0, config)
-        config = None
+        config, overrides = None, [config, *overrides]
     return load_config(config, overrides)
 
 

@@ -310,6 +310,10 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if router_aux_loss and layout.ep > 1 and recompute is not None and recompute.granularity == "full":
+        # EP adds all-padding bins, whose aux loss moe.router_padding turns off for the forward only
+        raise ValueError("trainer.recompute: full is not supported with trainer.expert_parallel > 1 and "
+                         "trainer.moe_aux_loss_coef > 0 (use selective)")
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("call megatron_rl.train.parallel.init_parallel(layout) before build_model")
     if ps.get_tensor_model_parallel_world_size() != layout.tp or \

@@ -3,6 +3,8 @@
 - `moe_dims(hf_config) -> MoeDims | None`: the router/expert shapes of an MoE HF config (None for
   dense families); unsupported variants raise `UnsupportedModelError`.
 - `moe_config_kwargs(moe, layout, use_te, router_aux_loss)`: the TransformerConfig fields.
+- `router_padding(chunk, mb, forward_kwargs)`: context giving the forward kwargs that keep a packed
+  micro-batch's padding out of the router load-balancing loss (Megatron's `padding_mask`).
 - `expert_hf_name(moe, layer, expert, part)` / `router_hf_name(moe, layer)`: the HF checkpoint names
   (per-expert tensors, as on disk and as SGLang loads them; transformers >= 5 fuses the experts in
   memory only).
@@ -22,6 +24,7 @@ splits the experts evenly, rank r holding experts [r * E/ep, (r+1) * E/ep). Loca
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -78,6 +81,40 @@ def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float
         moe_token_dispatcher_type="alltoall" if use_te else "allgather",
         moe_grouped_gemm=bool(use_te), expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
         moe_shared_expert_intermediate_size=moe.shared_ffn_size or None, moe_shared_expert_gate=bool(moe.shared_ffn_size))
+
+
+@contextmanager
+def router_padding(chunk, mb, forward_kwargs: dict):
+    """Yields `forward_kwargs` plus what keeps a micro-batch's padding out of the router load-balancing loss.
+
+    Packed bins carry padding (bin tails for SP/PP/EP, segment tails for CP, all-pad bins for EP); without
+    a mask Megatron counts those tokens in f_i and P_i. `mb.pad_mask` (`[1, T]`, True = pad) goes to
+    Megatron as `padding_mask`; GPTModel splits it for sequence parallel on the first pipeline stage only,
+    so later stages get this rank's SP slice here. An all-pad bin runs with the aux loss off (with the mask
+    Megatron would divide by its zero token count); the coefficient is restored after the forward, which
+    is why full recompute (a re-run forward in backward) refuses that combination (model.build_model).
+    Dense chunks and aux-loss-free MoE get `forward_kwargs` unchanged (routing itself ignores the mask)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    config = get_attr_wrapped_model(chunk, "config")
+    coeff = config.moe_aux_loss_coeff
+    if mb.pad_mask is None or not config.num_moe_experts or not coeff:
+        yield forward_kwargs
+        return
+    if not mb.seq_indices:
+        config.moe_aux_loss_coeff = 0.0
+        try:
+            yield forward_kwargs
+        finally:
+            config.moe_aux_loss_coeff = coeff
+        return
+    pad_mask = mb.pad_mask
+    if config.sequence_parallel and not get_attr_wrapped_model(chunk, "pre_process"):
+        from megatron.core import parallel_state as ps
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        pad_mask = pad_mask.chunk(tp, dim=1)[rank]
+    yield {**forward_kwargs, "padding_mask": pad_mask.contiguous()}
 
 
 def router_hf_name(moe: MoeDims, layer: int) -> str:

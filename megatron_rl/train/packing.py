@@ -103,6 +103,9 @@ class PackedMicroBatch:
     # (CP size, CP rank) once `cp_slice` kept this rank's chunks: tensors hold T / CP tokens, while
     # cu_seqlens still describe the whole row
     cp: tuple[int, int] | None = None
+    # bool [1, T], True at padding (bin tail, CP segment tails): Megatron's MoE `padding_mask`, so the
+    # router load-balancing loss counts real tokens only
+    pad_mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -219,6 +222,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     adv = torch.zeros(length, dtype=torch.float32)
     versions = torch.full((length,), -1, dtype=torch.long)
     segment_ids = torch.full((length,), len(indices), dtype=torch.long)
+    pad_mask = torch.ones(length, dtype=torch.bool)
     temps = [float(seqs[i].temperature) for i in indices]
     temperature = torch.ones(length, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
     cu = [0]
@@ -228,6 +232,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         n, p = len(s.token_ids), s.prompt_len
         ids = torch.tensor(s.token_ids, dtype=torch.long)
         tokens[start:start + n] = ids
+        pad_mask[start:start + n] = False
         labels[start:start + n - 1] = ids[1:]
         # completion token k (p <= k < n) is predicted at position k-1
         loss_mask[start + p - 1:start + n - 1] = 1.0
@@ -252,7 +257,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         seq_indices=list(indices), n_real_tokens=real,
         temperature=None if temperature is None else temperature.unsqueeze(0),
-        weight_versions=versions.unsqueeze(0))
+        weight_versions=versions.unsqueeze(0), pad_mask=pad_mask.unsqueeze(0))
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,

@@ -110,15 +110,15 @@ def _pad_multiple(chunk_config) -> int:
 
 
 def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
-    from megatron_rl.train.attention import uses_segment_attention
+    from megatron_rl.train import attention, moe
 
-    # bf16 chunks: keep the logits in bf16 (Float16Module would upcast them to a float32
-    # [tokens, vocab] copy); the losses accumulate in float32 internally.
+    # bf16 chunks: bf16 logits (no float32 [tokens, vocab] copy by Float16Module); losses sum in float32
     kw = {"fp32_output": False} if getattr(model_chunk, "mrl_half_precision", False) else {}
-    # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
-    if use_thd or uses_segment_attention(model_chunk):
-        return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
-    return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
+    with moe.router_padding(model_chunk, mb, kw) as kw:  # MoE: the bins' pad tokens out of the aux loss
+        # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
+        if use_thd or attention.uses_segment_attention(model_chunk):
+            return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
+        return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
 
 
 def _tempered(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:

@@ -2,7 +2,8 @@
 rank, tokens exchanged by Megatron's allgather token dispatcher, which gloo supports) gives the loss,
 metrics, grad norm and every gradient (HF-named, experts gathered over EP) of the same step at EP=1
 (all four experts on both ranks, expert grads all-reduced over DP). With the router load-balancing loss
-on (trainer.moe_aux_loss_coef) the policy loss is unchanged and the router's gradient changes.
+on (trainer.moe_aux_loss_coef) the policy loss is unchanged, the router's gradient changes, and EP=2
+still equals EP=1 (the bins' padding, which differs between the two, is kept out of the aux loss).
 
 One torchrun launch of this file (its `__main__` part is the worker) runs every case. The EP=1 step is
 checked against HF in tests/unit/test_train_moe.py (logprobs, grads). Tolerance: the SP harness's
@@ -92,12 +93,17 @@ def test_expert_parallel_equals_ep1(tmp_path):
         assert r["grads"].keys() == base["grads"].keys()
         for param, g in r["grads"].items():
             torch.testing.assert_close(g, base["grads"][param], rtol=1e-4, atol=1e-6, msg=lambda m: f"{param}: {m}")
-    # with the aux loss: the policy loss and its metrics are unchanged (the aux loss only adds gradient);
-    # its gradient is not compared across EP, since it also counts the padding tokens of the bins and
-    # EP pads every rank's bins to a common length (see docs/train.md)
+    # with the aux loss: the policy loss and its metrics are unchanged (the aux loss only adds gradient),
+    # and EP=2 gives EP=1's gradients although EP pads every rank's bins to a common length and count
+    # (the padding is kept out of the aux loss: tests/unit/test_train_moe_aux_loss.py)
     for r in got["ep1_aux"] + got["ep2_aux"]:
         for key in ("loss", "entropy", "n_loss_tokens"):
             assert r["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-5), key
+    aux = got["ep1_aux"][0]
+    for r in got["ep2_aux"] + got["ep1_aux"][1:]:
+        assert r["grad_norm"] == pytest.approx(aux["grad_norm"], rel=1e-4)
+        for param, g in r["grads"].items():
+            torch.testing.assert_close(g, aux["grads"][param], rtol=1e-4, atol=1e-6, msg=lambda m: f"{param}: {m}")
     router = "model.layers.0.mlp.gate.weight"
     assert any(".experts.3." in n for n in got["ep2"][0]["grads"])  # the other rank's experts gathered
     assert float(got["ep1"][0]["grads"][router].abs().max()) > 1e-6

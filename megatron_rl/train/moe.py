@@ -16,7 +16,8 @@ Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate . x): Megatr
 with `moe_shared_expert_gate` (TP-split like a dense MLP; its width must divide by TP, no padding).
 The router runs in fp32 (`moe_router_dtype`).
 
-Experts: expert tensor parallel is 1 (each expert whole on one rank); expert parallel (`layout.ep`)
+Experts: expert tensor parallel is 1 (each expert whole on one rank, so TP > 1 needs EP > 1: Megatron
+syncs EP = 1 experts like dense weights, not over the TP ranks that saw the other tokens); expert parallel (`layout.ep`)
 splits the experts evenly, rank r holding experts [r * E/ep, (r+1) * E/ep). Local spec (CPU):
 `SequentialMLP` and the allgather token dispatcher (gloo has it; it needs no all_to_all); TE spec
 (GPU): `TEGroupedMLP` and the alltoall dispatcher. The router load-balancing loss is
@@ -69,6 +70,11 @@ def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float
     if moe.shared_ffn_size % layout.tp:
         raise ValueError(f"shared_expert_intermediate_size={moe.shared_ffn_size} is not divisible by "
                          f"tensor_parallel={layout.tp}")
+    if layout.tp > 1 and layout.ep == 1:
+        # experts are whole (expert TP 1) and see only their TP rank's SP tokens; Megatron sums expert grads
+        # over the TP ranks only when EP > 1 marks them expert-parallel (else they sync like dense weights)
+        raise ValueError("MoE with trainer.tensor_parallel > 1 needs trainer.expert_parallel > 1 (at 1 the expert "
+                         "grads would not be summed over the TP ranks)")
     if layout.tp > 1 and not layout.sequence_parallel:
         raise ValueError("MoE with tensor_parallel > 1 needs sequence_parallel: true (Megatron's MoE layer "
                          "refuses to train without it)")

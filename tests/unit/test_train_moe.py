@@ -92,6 +92,8 @@ def test_moe_layout_errors():
     with pytest.raises(ValueError, match="split evenly over expert_parallel=4"):
         transformer_config(dims, ParallelLayout(dp=4, ep=4))
     with pytest.raises(ValueError, match="sequence_parallel"):
-        transformer_config(dims, ParallelLayout(tp=2))
+        transformer_config(dims, ParallelLayout(tp=2, ep=2))
+    with pytest.raises(ValueError, match=r"trainer.tensor_parallel > 1 needs trainer.expert_parallel > 1"):
+        transformer_config(dims, ParallelLayout(tp=2, sequence_parallel=True))
     with pytest.raises(ValueError, match="must divide"):
         ParallelLayout(dp=3, ep=2)

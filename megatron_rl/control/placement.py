@@ -26,6 +26,7 @@ from typing import Sequence
 
 from megatron_rl.config import Config, length_stages
 from megatron_rl.control.layout import RankLayout, Role
+from megatron_rl.train.moe import moe_layout_problems
 
 
 class PlacementError(ValueError):
@@ -161,6 +162,10 @@ def check_run(cfg: Config, shapes, memory, *, gpu_memory_gb: float,
     elif shapes.kv_heads % g.tp_size and g.tp_size % shapes.kv_heads:
         causes.append(f"generator.tp_size={g.tp_size} neither divides nor is a multiple of the model's "
                       f"{shapes.kv_heads} KV heads")
+    if shapes.experts:
+        causes += moe_layout_problems(shapes.experts, shapes.shared_ffn, tp=t.tensor_parallel, ep=t.expert_parallel,
+                                      cp=t.context_parallel, sequence_parallel=t.sequence_parallel,
+                                      aux_loss_coef=t.moe_aux_loss_coef, full_recompute=t.recompute == "full")
     # A sequence longer than the bin cannot be packed: the trainer would stop at its first such rollout.
     longest = max_prompt_tokens + longest_generation(cfg)
     if t.micro_batch_tokens < longest:

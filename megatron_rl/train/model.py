@@ -248,7 +248,8 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
     use_te = te_available() if use_te is None else use_te
     kernels = megatron_kernel_options(use_te=use_te, interleaved=layout.interleaved)
-    moe_kwargs = moe_config_kwargs(dims.moe, layout, use_te, router_aux_loss) if dims.moe else {}
+    full_recompute = recompute is not None and recompute.granularity == "full"
+    moe_kwargs = moe_config_kwargs(dims.moe, layout, use_te, router_aux_loss, full_recompute) if dims.moe else {}
     if dims.rope.kind == "yarn":  # TE's fused THD RoPE drops YaRN's mscale (Megatron only warns on BSHD)
         kernels["apply_rope_fusion"] = False
     config = TransformerConfig(
@@ -310,10 +311,6 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    if router_aux_loss and layout.ep > 1 and recompute is not None and recompute.granularity == "full":
-        # EP adds all-padding bins, whose aux loss moe.router_padding turns off for the forward only
-        raise ValueError("trainer.recompute: full is not supported with trainer.expert_parallel > 1 and "
-                         "trainer.moe_aux_loss_coef > 0 (use selective)")
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("call megatron_rl.train.parallel.init_parallel(layout) before build_model")
     if ps.get_tensor_model_parallel_world_size() != layout.tp or \

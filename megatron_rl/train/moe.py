@@ -2,7 +2,8 @@
 
 - `moe_dims(hf_config) -> MoeDims | None`: the router/expert shapes of an MoE HF config (None for
   dense families); unsupported variants raise `UnsupportedModelError`.
-- `moe_config_kwargs(moe, layout, use_te, router_aux_loss)`: the TransformerConfig fields.
+- `moe_layout_problems(...)`: why a parallel layout cannot train an MoE model (also for `megatron-rl plan`).
+- `moe_config_kwargs(moe, layout, use_te, router_aux_loss, full_recompute)`: the TransformerConfig fields.
 - `router_padding(chunk, mb, forward_kwargs)`: context giving the forward kwargs that keep a packed
   micro-batch's padding out of the router load-balancing loss (Megatron's `padding_mask`).
 - `expert_hf_name(moe, layer, expert, part)` / `router_hf_name(moe, layer)`: the HF checkpoint names
@@ -64,24 +65,42 @@ def moe_dims(hf_config) -> MoeDims | None:
                    int(hf_config.intermediate_size), True)
 
 
-def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0) -> dict:
-    if moe.num_experts % layout.ep:
-        raise ValueError(f"{moe.num_experts} experts cannot be split evenly over expert_parallel={layout.ep}")
-    if moe.shared_ffn_size % layout.tp:
-        raise ValueError(f"shared_expert_intermediate_size={moe.shared_ffn_size} is not divisible by "
-                         f"tensor_parallel={layout.tp}")
-    if layout.tp > 1 and layout.ep == 1:
+def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int, cp: int,
+                        sequence_parallel: bool, aux_loss_coef: float, full_recompute: bool) -> list[str]:
+    """Why an MoE model cannot train in this layout, one line per cause naming its config key (empty: it
+    can). Shared by the model build and `megatron-rl plan`, so a refused layout is refused before launch."""
+    problems = []
+    if experts % ep:
+        problems.append(f"{experts} experts cannot be split evenly over trainer.expert_parallel={ep}")
+    if shared_ffn_size % tp:
+        problems.append(f"shared_expert_intermediate_size={shared_ffn_size} is not divisible by "
+                        f"trainer.tensor_parallel={tp}")
+    if tp > 1 and ep == 1:
         # experts are whole (expert TP 1) and see only their TP rank's SP tokens; Megatron sums expert grads
         # over the TP ranks only when EP > 1 marks them expert-parallel (else they sync like dense weights)
-        raise ValueError("MoE with trainer.tensor_parallel > 1 needs trainer.expert_parallel > 1 (at 1 the expert "
-                         "grads would not be summed over the TP ranks)")
-    if router_aux_loss > 0 and layout.cp > 1:
+        problems.append("MoE with trainer.tensor_parallel > 1 needs trainer.expert_parallel > 1 (at 1 the "
+                        "expert grads would not be summed over the TP ranks)")
+    if aux_loss_coef > 0 and cp > 1:
         # found by tests/multiproc/test_train_moe_model_parallel.py: at CP=2 the aux loss gradient is not
         # that of CP=1 (nor a multiple of it), while TP+SP and PP match; cause not identified
-        raise ValueError("trainer.moe_aux_loss_coef > 0 is not supported with trainer.context_parallel > 1")
-    if layout.tp > 1 and not layout.sequence_parallel:
-        raise ValueError("MoE with tensor_parallel > 1 needs sequence_parallel: true (Megatron's MoE layer "
-                         "refuses to train without it)")
+        problems.append("trainer.moe_aux_loss_coef > 0 is not supported with trainer.context_parallel > 1")
+    if tp > 1 and not sequence_parallel:
+        problems.append("MoE with trainer.tensor_parallel > 1 needs trainer.sequence_parallel: true "
+                        "(Megatron's MoE layer refuses to train without it)")
+    if aux_loss_coef > 0 and ep > 1 and full_recompute:
+        # EP adds all-padding bins, whose aux loss router_padding turns off for the forward only
+        problems.append("trainer.recompute: full is not supported with trainer.expert_parallel > 1 and "
+                        "trainer.moe_aux_loss_coef > 0 (use selective)")
+    return problems
+
+
+def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0,
+                      full_recompute: bool = False) -> dict:
+    problems = moe_layout_problems(moe.num_experts, moe.shared_ffn_size, tp=layout.tp, ep=layout.ep,
+                                   cp=layout.cp, sequence_parallel=layout.sequence_parallel,
+                                   aux_loss_coef=router_aux_loss, full_recompute=full_recompute)
+    if problems:
+        raise ValueError(problems[0])
     return dict(
         num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.expert_ffn_size,
         moe_router_pre_softmax=not moe.renormalize_topk, moe_router_score_function="softmax",

@@ -125,6 +125,19 @@ def test_generator_tp_may_replicate_kv_heads_but_not_split_them_unevenly():
     assert causes == ["generator.tp_size=4 neither divides nor is a multiple of the model's 6 KV heads"]
 
 
+def test_moe_layouts_the_trainer_refuses_are_refused_before_launch():
+    moe = Shapes(32000, 1024, 16, 16, 8, 64, 512, False, experts=8, topk=2)
+    ok = _cfg(tp=2, dp=2, trainer__expert_parallel=2, trainer__sequence_parallel="true")
+    assert check_run(ok, moe, None, gpu_memory_gb=80, max_prompt_tokens=16) == []
+    tp_without_ep = _cfg(tp=2, dp=2, trainer__sequence_parallel="true")
+    assert any("trainer.expert_parallel > 1" in c
+               for c in check_run(tp_without_ep, moe, None, gpu_memory_gb=80, max_prompt_tokens=16))
+    assert check_run(tp_without_ep, SHAPES, None, gpu_memory_gb=80, max_prompt_tokens=16) == []  # dense: fine
+    aux_with_cp = _cfg(dp=1, trainer__context_parallel=2, trainer__moe_aux_loss_coef=0.01)
+    assert any("trainer.context_parallel > 1" in c
+               for c in check_run(aux_with_cp, moe, None, gpu_memory_gb=80, max_prompt_tokens=16))
+
+
 # ---- the command and the shipped examples --------------------------------------------------------
 
 def _sbatch_nodes(script: Path) -> tuple[int, int]:

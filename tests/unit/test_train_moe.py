@@ -89,7 +89,7 @@ def test_moe_layout_errors():
 
     dims = model_dims(Qwen3MoeConfig(num_experts=6, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=16))
-    with pytest.raises(ValueError, match="split evenly over expert_parallel=4"):
+    with pytest.raises(ValueError, match="split evenly over trainer.expert_parallel=4"):
         transformer_config(dims, ParallelLayout(dp=4, ep=4))
     with pytest.raises(ValueError, match="sequence_parallel"):
         transformer_config(dims, ParallelLayout(tp=2, ep=2))

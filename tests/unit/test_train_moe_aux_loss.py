@@ -129,9 +129,9 @@ def test_aux_free_moe_gets_no_padding_mask(tp1, tmp_path):
 def test_full_recompute_with_ep_and_aux_loss_is_refused():
     from transformers import AutoConfig
 
-    from megatron_rl.train.model import Recompute, build_model
+    from megatron_rl.train.model import Recompute, model_dims, transformer_config
     from megatron_rl.train.parallel import ParallelLayout
 
     with pytest.raises(ValueError, match="trainer.recompute: full .* trainer.expert_parallel"):
-        build_model(AutoConfig.for_model("qwen3_moe"), ParallelLayout(dp=2, ep=2), recompute=Recompute("full"),
-                    router_aux_loss=0.01)
+        transformer_config(model_dims(AutoConfig.for_model("qwen3_moe")), ParallelLayout(dp=2, ep=2),
+                           recompute=Recompute("full"), router_aux_loss=0.01)

@@ -29,7 +29,7 @@ from support.runs import launch_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-G, N_BATCH, UPDATES, CHECKPOINT_EVERY = 4, 16, 6, 2  # two kills: after checkpoint 2, then after checkpoint 4
+G, N_BATCH, UPDATES, CHECKPOINT_EVERY = 4, 16, 10, 2  # four kills, each past a later checkpoint: 2, 4, 6, 8
 
 
 @pytest.fixture(scope="module")
@@ -172,14 +172,15 @@ def _kill_and_check_the_end(proc: subprocess.Popen, run_dir: Path, role: str, af
     return saved
 
 
-# Two kills per run (each launch costs a server and trainer start-up): ~2 min per kill on 2 cores.
-@pytest.mark.parametrize("roles", [("controller", "trainer"), ("generator", "verifier")], ids="+".join)
-def test_kill_9_of_a_rank_ends_the_job_and_resume_finishes_it_accounting_everything_once(
-        roles, tmp_path, policy, free_port):
+# One run, four kills (each launch costs a server and trainer start-up: ~1 min per kill on 2 cores).
+def test_kill_9_of_a_rank_of_each_role_ends_the_job_and_resume_finishes_it_accounting_everything_once(
+        tmp_path, policy, free_port):
     config = _config(tmp_path, policy, 35000 + free_port % 2000)
     run_dir = tmp_path / "run"
-    saved = _kill_and_check_the_end(launch_train(config), run_dir, roles[0], after=0)
-    saved = _kill_and_check_the_end(launch_train(config, "--resume"), run_dir, roles[1], after=saved)
+    saved = 0
+    for i, role in enumerate(("controller", "trainer", "generator", "verifier")):
+        launched = launch_train(config, "--resume") if i else launch_train(config)
+        saved = _kill_and_check_the_end(launched, run_dir, role, after=saved)
     resumed = launch_train(config, "--resume")
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-6000:]

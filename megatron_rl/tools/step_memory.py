@@ -4,19 +4,24 @@
     python -m megatron_rl.tools.step_memory SPEC.json   # the child: prints one JSON line
 
 `spec`: {"model": HF LlamaConfig keyword arguments (random weights, nothing read from disk),
-"trainer": trainer config keys, "seq_lengths": [...], "prompt_len": int, "repeats": int, "seed": int}.
-The child builds the `Trainer` (one process, gloo), runs `step.forward_backward` (the RL loss, packing,
+"trainer": trainer config keys, "seq_lengths": [...], "prompt_len": int, "repeats": int, "seed": int,
+"nproc": int (default 1)}. With nproc > 1 the child runs on that many gloo ranks (torchrun, each rank
+`cpu_count // nproc` threads, e.g. `context_parallel: 2` with nproc 2); each rank measures its own
+growth and step time, and `measure` returns rank 0's result with the largest growth and the lowest
+tokens/s over the ranks (the step is as slow as its slowest rank) and every rank's under "ranks".
+The child builds the `Trainer` (gloo), runs `step.forward_backward` (the RL loss, packing,
 Megatron's schedule: the step without the optimizer) once to warm up, then measures the next one:
 growth = peak RSS during the step - RSS before it (`platform.memory`, glibc returning large frees at
 once), i.e. what the step's activations, logits and backward temporaries take at their peak. Then
 `repeats` more steps are timed. On a GPU the CUDA allocator's peak is reported instead.
-Used by benchmarks/recompute.py and tests/unit/test_tools_step_memory.py to check
+Used by benchmarks/recompute.py, benchmarks/context_parallel.py and tests/unit/test_tools_step_memory.py to check
 `tools.estimate.activation_memory`.
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,6 +46,7 @@ def _sequences(spec: dict, vocab: int):
 
 def child(spec: dict) -> dict:
     import torch
+    import torch.distributed as dist
     from transformers import LlamaConfig
 
     from megatron_rl.config import config_from_dict
@@ -56,6 +62,7 @@ def child(spec: dict) -> dict:
     cuda = torch.cuda.is_available()
     out = forward_backward(trainer.model, seqs, trainer.ctx)  # warm-up: one-time buffers and caches
     gc.collect()
+    dist.barrier()  # ranks start the measured step together (a no-op on one process)
     if cuda:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -77,7 +84,7 @@ def child(spec: dict) -> dict:
     tokens = sum(spec["seq_lengths"])
     return {"growth_bytes": peak - before, "before_bytes": before, "tokens": tokens,
             "tokens_per_s": tokens * len(times) / sum(times), "n_micro_batches": out.n_micro_batches,
-            "loss": out.metrics["loss"], "device": "cuda" if cuda else "cpu"}
+            "loss": out.metrics["loss"], "device": "cuda" if cuda else "cpu", "rank": dist.get_rank()}
 
 
 def measure(spec: dict, timeout: float = 900) -> dict:
@@ -88,12 +95,22 @@ def measure(spec: dict, timeout: float = 900) -> dict:
     repo = str(Path(__file__).resolve().parents[2])
     env = exact_malloc_env()
     env["PYTHONPATH"] = repo + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.step_memory", json.dumps(spec)],
+    nproc = int(spec.get("nproc", 1))
+    launch = [sys.executable, "-m"]
+    if nproc > 1:  # --standalone: a rendezvous on a free loopback port
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        launch += ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
+    proc = subprocess.run(launch + ["megatron_rl.tools.step_memory", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=repo)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"step_memory child failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    if proc.returncode != 0 or len(lines) != nproc:
+        raise RuntimeError(f"step_memory child failed (exit {proc.returncode}, {len(lines)} of {nproc} "
+                           f"ranks reported): {proc.stderr[-3000:]}")
+    ranks = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
+    if nproc == 1:
+        return ranks[0]
+    return {**ranks[0], "growth_bytes": max(r["growth_bytes"] for r in ranks),
+            "tokens_per_s": min(r["tokens_per_s"] for r in ranks), "ranks": ranks}
 
 
 if __name__ == "__main__":

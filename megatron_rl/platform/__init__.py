@@ -62,11 +62,16 @@ def sglang_cpu_env(base: dict[str, str] | None = None, tp_size: int = 1) -> dict
     return env
 
 
+def threads_per_rank(ranks: int) -> int:
+    """This process's cores split evenly between `ranks` processes (at least one thread each)."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
 def cpu_threads_bind(ranks: int) -> str:
     """SGLANG_CPU_OMP_THREADS_BIND value splitting this process's cores between `ranks` TP ranks
     ("0-3|4-7"); with fewer cores than ranks, ranks share cores round-robin."""
     cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // ranks)
+    per = threads_per_rank(ranks)
     spans = []
     for i in range(ranks):
         chunk = cores[(i * per) % len(cores):][:per]

@@ -6,7 +6,7 @@
 `spec`: {"model": HF LlamaConfig keyword arguments (random weights, nothing read from disk),
 "trainer": trainer config keys, "seq_lengths": [...], "prompt_len": int, "repeats": int, "seed": int,
 "nproc": int (default 1)}. With nproc > 1 the child runs on that many gloo ranks (torchrun, each rank
-`cpu_count // nproc` threads, e.g. `context_parallel: 2` with nproc 2); each rank measures its own
+`platform.threads_per_rank(nproc)` threads, e.g. `context_parallel: 2` with nproc 2); each rank measures its own
 growth and step time, and `measure` returns rank 0's result with the largest growth and the lowest
 tokens/s over the ranks (the step is as slow as its slowest rank) and every rank's under "ranks".
 The child builds the `Trainer` (gloo), runs `step.forward_backward` (the RL loss, packing,
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -90,6 +89,7 @@ def child(spec: dict) -> dict:
 def measure(spec: dict, timeout: float = 900) -> dict:
     """Run `child(spec)` in a fresh Python process (its own allocator state and peak) and return its
     result; RuntimeError with the child's stderr tail when it fails."""
+    from megatron_rl.platform import threads_per_rank
     from megatron_rl.platform.memory import exact_malloc_env
 
     repo = str(Path(__file__).resolve().parents[2])
@@ -98,7 +98,7 @@ def measure(spec: dict, timeout: float = 900) -> dict:
     nproc = int(spec.get("nproc", 1))
     launch = [sys.executable, "-m"]
     if nproc > 1:  # --standalone: a rendezvous on a free loopback port
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         launch += ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
     proc = subprocess.run(launch + ["megatron_rl.tools.step_memory", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=repo)

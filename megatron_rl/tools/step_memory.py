@@ -14,7 +14,7 @@ Megatron's schedule: the step without the optimizer) once to warm up, then measu
 growth = peak RSS during the step - RSS before it (`platform.memory`, glibc returning large frees at
 once), i.e. what the step's activations, logits and backward temporaries take at their peak. Then
 `repeats` more steps are timed. On a GPU the CUDA allocator's peak is reported instead.
-Used by benchmarks/recompute.py, benchmarks/context_parallel.py and tests/unit/test_tools_step_memory.py to check
+Used by benchmarks/recompute.py, benchmarks/context_parallel.py and tests/e2e/test_step_memory_estimate.py to check
 `tools.estimate.activation_memory`.
 """
 from __future__ import annotations

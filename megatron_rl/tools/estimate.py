@@ -179,7 +179,7 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
     - full, block: min(n, L) layer inputs + (L - min(n, L)) x A, plus one A once.
     Plus, per micro-batch, the final norm's input and output (2h/d fused, 3h/d local). Returns bytes:
     `per_layer` (A x tokens), `stored` (all micro-batches in flight), `working` (the recompute working
-    set), `total`. tests/unit/test_tools_step_memory.py checks `local` against the measured peak.
+    set), `total`. tests/e2e/test_step_memory_estimate.py checks `local` against the measured peak.
     """
     if kernels not in ("fused", "local"):
         raise ValueError(f"kernels {kernels!r}: fused or local")

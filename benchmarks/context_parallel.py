@@ -33,15 +33,13 @@ def main() -> None:
 
     import torch
 
-    from megatron_rl.tools.estimate import Shapes, activation_memory
-    from megatron_rl.tools.step_memory import measure
+    from megatron_rl.tools.estimate import activation_memory
+    from megatron_rl.tools.step_memory import BENCH_VOCAB as vocab
+    from megatron_rl.tools.step_memory import bench_llama, measure
 
-    h, vocab = args.hidden, 1024
-    ffn = int(2.75 * h)
-    model = dict(vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=args.layers,
-                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.tokens,
-                 rms_norm_eps=1e-5)
-    shapes = Shapes(vocab, h, args.layers, 8, 2, h // 8, ffn, False)
+    h = args.hidden
+    model, shapes = bench_llama(h, args.layers, args.tokens)
+    ffn = shapes.ffn
     elem = 4 if args.precision == "fp32" else 2
     kernels = "fused" if torch.cuda.is_available() else "local"
     rows = {}

@@ -28,15 +28,12 @@ def main() -> None:
 
     import torch
 
-    from megatron_rl.tools.estimate import Shapes, activation_memory
-    from megatron_rl.tools.step_memory import measure
+    from megatron_rl.tools.estimate import activation_memory
+    from megatron_rl.tools.step_memory import BENCH_VOCAB, bench_llama, measure
 
     h = args.hidden
-    ffn = int(2.75 * h)
-    model = dict(vocab_size=1024, hidden_size=h, intermediate_size=ffn, num_hidden_layers=args.layers,
-                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.tokens,
-                 rms_norm_eps=1e-5)
-    shapes = Shapes(1024, h, args.layers, 8, 2, h // 8, ffn, False)
+    model, shapes = bench_llama(h, args.layers, args.tokens)
+    ffn = shapes.ffn
     elem = 4 if args.precision == "fp32" else 2
     kernels = "fused" if torch.cuda.is_available() else "local"
     rows = {}
@@ -46,7 +43,7 @@ def main() -> None:
                 "seq_lengths": [args.tokens // args.seqs] * args.seqs, "repeats": args.repeats}
         result = measure(spec)
         estimate = activation_memory(shapes, args.tokens, recompute=mode, elem_bytes=elem, kernels=kernels)["total"]
-        rows[mode] = (result, estimate + args.tokens * 1024 * 4 * 2)
+        rows[mode] = (result, estimate + args.tokens * BENCH_VOCAB * 4 * 2)
     base_mem, base_tps = rows["none"][0]["growth_bytes"], rows["none"][0]["tokens_per_s"]
     print(f"model: {args.layers} layers, hidden {h}, ffn {ffn}, GQA 8/2, {args.precision}; one bin of "
           f"{args.tokens} tokens ({args.seqs} sequences); device {rows['none'][0]['device']}")

@@ -27,6 +27,21 @@ import time
 from pathlib import Path
 
 
+BENCH_VOCAB = 1024
+
+
+def bench_llama(hidden: int, layers: int, max_positions: int):
+    """The benchmarks' random Llama: (spec "model" kwargs, its `tools.estimate.Shapes`): GQA 8/2 heads,
+    FFN 2.75 x hidden, vocab BENCH_VOCAB."""
+    from megatron_rl.tools.estimate import Shapes
+
+    ffn = int(2.75 * hidden)
+    model = dict(vocab_size=BENCH_VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max_positions,
+                 rms_norm_eps=1e-5)
+    return model, Shapes(BENCH_VOCAB, hidden, layers, 8, 2, hidden // 8, ffn, False)
+
+
 def _sequences(spec: dict, vocab: int):
     import torch
 

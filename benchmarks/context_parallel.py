@@ -31,17 +31,11 @@ def main() -> None:
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     args = ap.parse_args()
 
-    import torch
-
-    from megatron_rl.tools.estimate import activation_memory
-    from megatron_rl.tools.step_memory import BENCH_VOCAB as vocab
-    from megatron_rl.tools.step_memory import bench_llama, measure
+    from megatron_rl.tools.step_memory import bench_estimate, bench_llama, measure
 
     h = args.hidden
     model, shapes = bench_llama(h, args.layers, args.tokens)
     ffn = shapes.ffn
-    elem = 4 if args.precision == "fp32" else 2
-    kernels = "fused" if torch.cuda.is_available() else "local"
     rows = {}
     for cp in map(int, args.cps.split(",")):
         spec = {"model": model, "nproc": cp,
@@ -49,10 +43,8 @@ def main() -> None:
                             "recompute": args.recompute, "context_parallel": cp},
                 "seq_lengths": [args.tokens // args.seqs] * args.seqs, "repeats": args.repeats}
         result = measure(spec)
-        local = args.tokens // cp  # what tools.estimate gives each CP rank
-        estimate = activation_memory(shapes, local, recompute=args.recompute, elem_bytes=elem,
-                                     kernels=kernels)["total"] + local * vocab * 4 * 2
-        rows[cp] = (result, estimate)
+        # each CP rank holds tokens / CP of every activation and of the logits (as tools.estimate counts it)
+        rows[cp] = (result, bench_estimate(shapes, args.tokens // cp, args.recompute, args.precision))
     base, _ = next(iter(rows.values()))
     print(f"model: {args.layers} layers, hidden {h}, ffn {ffn}, GQA 8/2, {args.precision}, recompute "
           f"{args.recompute}; one bin of {args.tokens} tokens ({args.seqs} sequences); device {base['device']}")

@@ -26,24 +26,18 @@ def main() -> None:
     ap.add_argument("--modes", default="none,selective,full")
     args = ap.parse_args()
 
-    import torch
-
-    from megatron_rl.tools.estimate import activation_memory
-    from megatron_rl.tools.step_memory import BENCH_VOCAB, bench_llama, measure
+    from megatron_rl.tools.step_memory import bench_estimate, bench_llama, measure
 
     h = args.hidden
     model, shapes = bench_llama(h, args.layers, args.tokens)
     ffn = shapes.ffn
-    elem = 4 if args.precision == "fp32" else 2
-    kernels = "fused" if torch.cuda.is_available() else "local"
     rows = {}
     for mode in args.modes.split(","):
         spec = {"model": model, "trainer": {"precision": args.precision, "micro_batch_tokens": args.tokens,
                                             "recompute": mode},
                 "seq_lengths": [args.tokens // args.seqs] * args.seqs, "repeats": args.repeats}
         result = measure(spec)
-        estimate = activation_memory(shapes, args.tokens, recompute=mode, elem_bytes=elem, kernels=kernels)["total"]
-        rows[mode] = (result, estimate + args.tokens * BENCH_VOCAB * 4 * 2)
+        rows[mode] = (result, bench_estimate(shapes, args.tokens, mode, args.precision))
     base_mem, base_tps = rows["none"][0]["growth_bytes"], rows["none"][0]["tokens_per_s"]
     print(f"model: {args.layers} layers, hidden {h}, ffn {ffn}, GQA 8/2, {args.precision}; one bin of "
           f"{args.tokens} tokens ({args.seqs} sequences); device {rows['none'][0]['device']}")

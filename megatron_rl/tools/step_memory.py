@@ -42,6 +42,19 @@ def bench_llama(hidden: int, layers: int, max_positions: int):
     return model, Shapes(BENCH_VOCAB, hidden, layers, 8, 2, hidden // 8, ffn, False)
 
 
+def bench_estimate(shapes, tokens: int, recompute: str, precision: str) -> float:
+    """`tools.estimate`'s activation bytes of a step on `tokens` tokens (this device's kernels) plus the
+    float32 logits and their gradient: what `measure` reports as growth, for the benchmarks' tables."""
+    import torch
+
+    from megatron_rl.tools.estimate import activation_memory
+
+    kernels = "fused" if torch.cuda.is_available() else "local"
+    act = activation_memory(shapes, tokens, recompute=recompute, elem_bytes=4 if precision == "fp32" else 2,
+                            kernels=kernels)["total"]
+    return act + tokens * shapes.vocab * 4 * 2
+
+
 def _sequences(spec: dict, vocab: int):
     import torch
 

@@ -121,7 +121,7 @@ def router_padding(chunk, mb, forward_kwargs: dict):
     Megatron as `padding_mask`; GPTModel splits it for sequence parallel on the first pipeline stage only,
     so later stages get this rank's SP slice here. An all-pad bin runs with the aux loss off (with the mask
     Megatron would divide by its zero token count); the coefficient is restored after the forward, which
-    is why full recompute (a re-run forward in backward) refuses that combination (model.build_model).
+    is why full recompute (a re-run forward in backward) refuses that combination (moe_layout_problems).
     Dense chunks and aux-loss-free MoE get `forward_kwargs` unchanged (routing itself ignores the mask)."""
     from megatron.core.utils import get_attr_wrapped_model
 

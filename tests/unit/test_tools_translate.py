@@ -1,13 +1,12 @@
 """Translation tool against a local OpenAI-compatible endpoint (stdlib HTTP server on 127.0.0.1)
 whose answers are fixed per target language: real fastText language checks decide acceptance."""
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from megatron_rl.records import Problem
 from megatron_rl.tools.translate import ChatClient, EndpointError, translate_problems
+from support.chat_endpoint import ChatEndpoint
 
 ANSWERS = {  # target language named in the system prompt -> what the endpoint answers
     "French": "Combien de pommes reste-t-il si l'on mange trois pommes sur un panier de dix pommes ?",
@@ -16,32 +15,16 @@ ANSWERS = {  # target language named in the system prompt -> what the endpoint a
 }
 
 
-class Handler(BaseHTTPRequestHandler):
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append((self.path, body))
-        system = body["messages"][0]["content"]
-        text = next(v for k, v in ANSWERS.items() if k in system)
-        out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, *a):
-        pass
+def _answer_in_the_asked_language(body: dict) -> tuple[int, str]:
+    system = body["messages"][0]["content"]
+    return 200, next(v for k, v in ANSWERS.items() if k in system)
 
 
 @pytest.fixture
 def endpoint():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.requests = []
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
+    server = ChatEndpoint(_answer_in_the_asked_language)
     yield server
-    server.shutdown()
-    server.server_close()
+    server.close()
 
 
 def _problems(n=6):
@@ -50,7 +33,7 @@ def _problems(n=6):
 
 
 def test_accepts_right_language_rejects_wrong_one_and_keeps_answers(endpoint):
-    client = ChatClient(f"http://127.0.0.1:{endpoint.server_port}", model="m")
+    client = ChatClient(endpoint.url, model="m")
     problems = _problems()
     report = translate_problems(problems, client, fraction=0.5, languages=["fr", "de", "es"], seed=1)
     assert report.selected == 3 and len(endpoint.requests) == 3
@@ -69,7 +52,7 @@ def test_accepts_right_language_rejects_wrong_one_and_keeps_answers(endpoint):
 
 
 def test_replace_mode_and_validation(endpoint):
-    client = ChatClient(f"http://127.0.0.1:{endpoint.server_port}/v1")
+    client = ChatClient(f"{endpoint.url}/v1")
     problems = _problems(4)
     report = translate_problems(problems, client, fraction=1.0, languages=["fr"], mode="replace")
     assert len(report.problems) == 4 and all(p.language == "fr" for p in report.problems)

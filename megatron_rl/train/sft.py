@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from megatron_rl.data.sources import DataError, utf8_lines
 from megatron_rl.records import TrainSequence
 
 
@@ -26,16 +27,22 @@ class SFTExample:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL trace file; DataError (a ValueError) naming the file and line on a line
+    that is not UTF-8, not JSON or not a JSON object."""
+    path = Path(path)
     records = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: invalid JSON: {e}") from None
+    for n, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: invalid JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{n}: each line must be a JSON object, got {type(record).__name__}")
+        records.append(record)
     if not records:
-        raise ValueError(f"{path}: no records")
+        raise DataError(f"{path}: no records")
     return records
 
 

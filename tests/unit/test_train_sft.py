@@ -86,3 +86,24 @@ def test_sft_cli_trains_logs_and_checkpoints(tiny_llama_dir, tmp_path):
     common = read_common(out / "checkpoints")
     assert common["step"] == 4 and common["extra"]["user"]["sft"]["epochs"] == 4
     assert len(read_jsonl(data)) == 4
+
+
+GOOD_TRACE = '{"prompt": "1 + 1?", "completion": "2"}\n'
+
+
+@pytest.mark.parametrize("second_line, words", [
+    (b'{"prompt": "caf\xe9?", "completion": "1"}\n', "not UTF-8"),  # Latin-1, not UTF-8
+    (b'{"prompt": "1 + 2?", \n', "invalid JSON"),
+    (b'["1 + 2?", "3"]\n', "must be a JSON object"),
+])
+def test_a_bad_line_of_the_sft_data_is_a_one_line_error_naming_file_and_line(second_line, words, tmp_path, capsys):
+    from megatron_rl import cli
+
+    data = tmp_path / "traces.jsonl"
+    data.write_bytes(GOOD_TRACE.encode() + second_line)
+    rc = cli.main(["sft", f"run.output_dir={tmp_path / 'run'}", "--data", str(data)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{data}:2:" in lines[0] and words in lines[0], err
+    assert not (tmp_path / "run").exists()  # refused before any training or output

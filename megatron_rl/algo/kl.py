@@ -68,16 +68,23 @@ def kl_reward_to_go(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Ten
     return rtg.masked_fill(~mask.bool(), 0.0)
 
 
-def kl_k2_segment_sum(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, segment_ids: Tensor) -> Tensor:
+def kl_k2_segment_sum(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, segment_ids: Tensor,
+                      n_segments: int | None = None) -> Tensor:
     """sum_i 1/2 (log pi_theta(y_i) - log pi_ref(y_i))^2 over packed rows: flat `[N]` tensors where
     `segment_ids` (int, >= 0) says which sequence each token belongs to (graph-connected to logprobs).
-    The same value as `kl_k2_loss(...) * n_sequences` on the unpacked `[B, T]` layout."""
+    The same value as `kl_k2_loss(...) * n_sequences` on the unpacked `[B, T]` layout.
+
+    n_segments: max(segment_ids) + 1 when the caller knows it on the host (the packer's count), which
+    spares reading the maximum back from the device (a host sync per call); None: read it."""
     if not (logprobs.shape == ref_logprobs.shape == mask.shape == segment_ids.shape) or logprobs.dim() != 1:
         raise ValueError(f"logprobs, ref_logprobs, mask and segment_ids must all be [N]; got "
                          f"{tuple(logprobs.shape)}, {tuple(ref_logprobs.shape)}, {tuple(mask.shape)}, "
                          f"{tuple(segment_ids.shape)}")
     lr = torch.where(mask.bool(), logprobs - ref_logprobs.detach().to(logprobs.dtype), 0.0)
-    n_seg = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    if n_segments is not None:
+        n_seg = n_segments
+    else:
+        n_seg = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
     seq = lr.new_zeros(n_seg).index_add(0, segment_ids.long(), lr)
     return 0.5 * (seq * seq).sum()
 

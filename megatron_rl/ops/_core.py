@@ -39,11 +39,15 @@ class TokenInputs:
 class SequenceKL:
     """A sequence-level k2 KL term added to the fused loss: `weight * sum_i 1/2 (sum_{t in i}
     (logp_t - ref_logprobs_t))^2` over the unmasked tokens, sequences given by `segment_ids` (a packed
-    row holds several). Its gradient is a sample of grad KL(pi || ref) (see algo.kl). Shapes `[B, T]`."""
+    row holds several). Its gradient is a sample of grad KL(pi || ref) (see algo.kl). Shapes `[B, T]`.
+    `n_segments`: max(segment_ids) + 1 of a single row (B = 1, the trainer's packed layout) when the
+    caller knows it on the host (a packed row: its cu_seqlens intervals, padding included, each on every
+    CP rank), so the loss reads nothing back from the device; None: it is read."""
 
     ref_logprobs: Tensor
     segment_ids: Tensor
     weight: float
+    n_segments: int | None = None
 
 
 @dataclass
@@ -133,7 +137,8 @@ def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, m
         for name, x in (("kl.ref_logprobs", kl.ref_logprobs), ("kl.segment_ids", kl.segment_ids)):
             if tuple(x.shape) != (b, t):
                 raise ValueError(f"{name} must be [B, T] = {(b, t)}, got {tuple(x.shape)}")
-        kl = SequenceKL(kl.ref_logprobs.reshape(-1).detach(), _flat_segments(kl.segment_ids), float(kl.weight))
+        kl = SequenceKL(kl.ref_logprobs.reshape(-1).detach(), _flat_segments(kl.segment_ids), float(kl.weight),
+                        n_segments=kl.n_segments if b == 1 else None)  # one row: flat ids = the row's ids
     if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
         raise ValueError(f"segment_ids must be [B, T] = {(b, t)}, got {tuple(segment_ids.shape)}")
     return TokenInputs(
@@ -151,6 +156,8 @@ def flatten_token_inputs(batch_shape, targets, behaviour_logprobs, advantages, m
 def _flat_segments(segment_ids: Tensor) -> Tensor:
     """[B, T] per-row sequence ids -> [N] ids in one space over all rows (a sequence never spans two rows)."""
     b = segment_ids.shape[0]
+    if b == 1:  # no other row to offset from: skip reading max() back from the device (a host sync)
+        return segment_ids.to(torch.int64).reshape(-1)
     width = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
     seg = segment_ids.to(torch.int64) + (torch.arange(b, device=segment_ids.device) * width)[:, None]
     return seg.reshape(-1)
@@ -200,7 +207,8 @@ def loss_and_coef(logp: Tensor, tok: TokenInputs, sl: slice, eps_low: float, eps
             correction=correction, segment_ids=None if tok.segments is None else tok.segments[sl][None],
         )
         if tok.kl is not None:
+            n_segments = tok.kl.n_segments if sl == slice(None) else None  # a chunk may lack the last ones
             loss = loss + tok.kl.weight * kl_k2_segment_sum(lp, tok.kl.ref_logprobs[sl], tok.mask[sl],
-                                                            tok.kl.segment_ids[sl])
+                                                            tok.kl.segment_ids[sl], n_segments)
         coef = torch.autograd.grad(loss, lp)[0] if need_coef else None
     return loss.detach(), coef

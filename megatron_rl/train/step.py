@@ -135,7 +135,7 @@ def _rl_loss(logits: torch.Tensor, mb: PackedMicroBatch, mask: torch.Tensor, ctx
     algo = ctx.algo
     kl = None
     if algo.kl_mode == "k2":
-        kl = SequenceKL(mb.ref_logprobs, mb.segment_ids[None], ctx.kl_weight)
+        kl = SequenceKL(mb.ref_logprobs, mb.segment_ids[None], ctx.kl_weight, n_segments=len(mb.cu_seqlens) - 1)
     # the proximal logprobs anchor the ratio only with proximal: trainer (else they serve the KL/metrics)
     proximal = mb.proximal_logprobs if algo.proximal == "trainer" else None
     correction, segments = is_correction(algo), mb.segment_ids[None]

@@ -34,8 +34,9 @@ Constructing the module also installs `packed_rope` (Megatron's unfused THD RoPE
 
 Context parallel (config.context_parallel_size > 1): q/k/v hold this CP rank's load-balanced chunks
 and `cu_seqlens_q` the whole row's boundaries (or, with no mask, each row is one causal sequence
-split the same way); `cp_attention.cp_attention` gathers K/V over the CP group and masks by global
-positions. Explicit [T, T] masks are refused under CP.
+split the same way); `cp_attention.cp_attention` gathers K/V over the CP group and attends each query
+chunk to its key prefix (causal by global positions, no [queries, keys] mask without a sliding
+window). Explicit [T, T] masks are refused under CP.
 """
 from __future__ import annotations
 

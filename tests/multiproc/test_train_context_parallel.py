@@ -7,7 +7,9 @@ CP=1 at DP=2 is the reference: the DP=2 step is itself checked against HF autogr
 tests/multiproc/test_train_step_parallel.py. Under CP each rank holds its load-balanced chunks of every
 sequence; the logits are put back in row order here with `packing.cp_token_index`, independently of
 the attention's own bookkeeping. Tolerance: the harness's (rtol 1e-4, atol 1e-6): CP sums gradients
-over ranks in another order and attends with an explicit mask over gathered keys.
+over ranks in another order and attends in blocks merged by log-sum-exp over gathered keys; weights
+after the step are compared where the gradient exceeds its own tolerance (Adam's first step
+normalises near-zero gradients, see below).
 """
 from __future__ import annotations
 
@@ -163,9 +165,14 @@ def test_context_parallel_equals_cp1(tiny_llama_dir, tmp_path):
             for param, g in r["grads"].items():
                 torch.testing.assert_close(g, base["grads"][param], rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"{name} grad {param}: {m}")
-                # Adam's first step is lr * g / (|g| + eps): near-zero gradients turn rounding into up to
-                # ~1e-3 of the learning rate (1e-2) on single elements
-                torch.testing.assert_close(r["weights"][param], base["weights"][param], rtol=1e-4, atol=1e-5)
+                # Adam's first step is lr * g / (|g| + eps): where |g| is within the gradient tolerance (1e-6)
+                # of zero, e.g. ~1e-8 = eps, a rounding difference of 1e-11 in g moves the step by ~1e-3 of
+                # the learning rate (1e-2), so those elements' weights are not compared (0.1 % of them here;
+                # zero gradients, e.g. unused vocabulary rows, are compared: no step on either side)
+                g_base = base["grads"][param]
+                pinned = (g_base.abs() > 1e-6) | (g_base == 0)
+                torch.testing.assert_close(r["weights"][param][pinned], base["weights"][param][pinned],
+                                           rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} weight {param}: {m}")
     # the attention weights' gradients reach across chunks (K/V of one rank, queries of the other)
     assert float(base["grads"]["decoder.layers.0.self_attention.linear_qkv.weight"].abs().max()) > 1e-6
 

@@ -21,8 +21,8 @@ class _Handler(BaseHTTPRequestHandler):
         with s.lock:  # one request at a time through `reply`, so a stateful reply needs no lock of its own
             s.requests.append((self.path, body))
             status, text = s.reply(body)
-        answer = {"choices": [{"message": {"role": "assistant", "content": text}}]} if status == 200 else {"error": text}
-        out = json.dumps(answer).encode()
+        ok = {"choices": [{"message": {"role": "assistant", "content": text}}]}
+        out = json.dumps(ok if status == 200 else {"error": text}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))

@@ -78,9 +78,13 @@ def _recv(fd: int, deadline: float | None):
     return None if body is None else pickle.loads(body)
 
 
-def _send(fd: int, obj) -> None:
+def _encode(obj) -> bytes:
     body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    _write_all(fd, _HEADER.pack(len(body)) + body)
+    return _HEADER.pack(len(body)) + body
+
+
+def _send(fd: int, obj) -> None:
+    _write_all(fd, _encode(obj))
 
 
 def _vm_bytes() -> int:
@@ -105,19 +109,19 @@ def _child_main(func: Callable, rfd: int, wfd: int, memory_mb: int | None) -> No
     while True:
         try:
             args = _recv(rfd, None)
-        except Exception:
+        except OSError:  # the request pipe broke: the parent is gone; anything else ends in _Worker's guard
             return
         if args is None:
             return
         budget, args = args
         _limit_cpu(budget)
-        try:
-            reply = ("ok", func(*args))
+        try:  # encoded here, so a result that cannot be pickled is reported as the call's error too
+            reply = _encode(("ok", func(*args)))
         except BaseException as exc:  # MemoryError, RecursionError, parser errors: all reported
-            reply = ("error", f"{type(exc).__name__}: {str(exc)[:200]}")
+            reply = _encode(("error", f"{type(exc).__name__}: {str(exc)[:200]}"))
         try:
-            _send(wfd, reply)
-        except Exception:
+            _write_all(wfd, reply)
+        except OSError:  # the parent closed the pipe (it discarded this worker, or exited): no one to tell
             return
 
 
@@ -144,7 +148,7 @@ class _Worker:
                 os.close(to_child_w)
                 os.close(from_child_r)
                 _child_main(func, to_child_r, from_child_w, memory_mb)
-            except BaseException:
+            except BaseException:  # a fork must never unwind into the parent's code: the parent sees EOF ("crash")
                 code = 1
             finally:
                 os._exit(code)
@@ -213,7 +217,7 @@ class WorkerPool:
         if worker is None:
             try:
                 worker = _Worker(self.func, self.memory_mb)
-            except BaseException:
+            except BaseException:  # fork failed: give the reserved worker slot back, then re-raise
                 self._release(None)
                 raise
         start = time.monotonic()

@@ -131,3 +131,18 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         p.call(("ok", 1), 0)
     p.close()
+
+
+def _unpicklable_result(_):
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_be_pickled_is_reported_as_an_error():
+    p = WorkerPool(_unpicklable_result, max_workers=1)
+    try:
+        res = p.call((0,), 5)
+        assert res.status == "error" and "pickle" in res.error, res
+        assert p.call((1,), 5).status == "error"  # the same worker answers again: the pipe stayed in step
+        assert p.n_killed == 0
+    finally:
+        p.close()

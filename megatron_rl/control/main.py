@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:
     from megatron_rl.control.controller import Controller, RunFailed, stop_workers, write_summary
     from megatron_rl.control.mailbox import Mailbox
-    from megatron_rl.data import iter_problems, read_problems
+    from megatron_rl.data import DataError, iter_problems, read_problems
+    from megatron_rl.train.checkpoint_manifest import CheckpointError
     from megatron_rl.train.hf_source import resolve_model
 
     controller = None
@@ -162,7 +163,11 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
     except RunFailed as e:
         log.error("run failed: %s", e)
         code = 1
-    except Exception:
+    # bad input first met here (a problem source, a checkpoint to resume): one line, as in the checks above
+    except (ConfigError, DataError, CheckpointError) as e:
+        log.error("%s", e)
+        code = 1
+    except Exception:  # a bug: its traceback is logged, and `finally` still stops the other ranks in order
         log.exception("the controller failed")
         code = 1
     finally:

@@ -38,7 +38,7 @@ def generator_model_dir(model: str, precision: str = "bf16") -> Path:
         if not (target / "config.json").is_file():
             raise
         # another process won the race (rename onto its non-empty dir fails): its copy is complete
-    except BaseException:
+    except BaseException:  # cleanup, then re-raise (Ctrl-C included): no half-written copy stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target

@@ -73,7 +73,7 @@ def scalar_expr(x: Scalar) -> sympy.Basic:
 def _numeric(expr: sympy.Basic, digits: int = _PREC) -> sympy.Basic | None:
     try:
         v = sympy.N(expr, digits)
-    except Exception:
+    except Exception:  # SymPy fails in many ways on a hostile answer (in a time-limited worker): no number
         return None
     return v if v.is_number else None
 

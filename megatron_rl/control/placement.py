@@ -164,7 +164,7 @@ def check_run(cfg: Config, shapes, memory, *, gpu_memory_gb: float,
                       f"{shapes.kv_heads} KV heads")
     if shapes.experts:
         causes += moe_layout_problems(shapes.experts, shapes.shared_ffn, tp=t.tensor_parallel, ep=t.expert_parallel,
-                                      cp=t.context_parallel, sequence_parallel=t.sequence_parallel,
+                                      sequence_parallel=t.sequence_parallel,
                                       aux_loss_coef=t.moe_aux_loss_coef, full_recompute=t.recompute == "full")
     # A sequence longer than the bin cannot be packed: the trainer would stop at its first such rollout.
     longest = max_prompt_tokens + longest_generation(cfg)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .moe import MOE_MODEL_TYPES, MoeDims, moe_config_kwargs, moe_dims
+from .moe import MOE_MODEL_TYPES, MoeDims, moe_config_kwargs, moe_dims, reduce_expert_grads_over_expert_dp
 from .parallel import ParallelLayout
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES
@@ -341,6 +341,8 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
             vp_stage=vp_stage)
         chunk.mrl_dims = dims
         chunk.mrl_vp_stage = vp_stage
+        if dims.moe:  # before DDP wraps the chunk: it groups the grads by this mark
+            reduce_expert_grads_over_expert_dp(chunk)
         chunks.append(chunk)
     return chunks
 

@@ -17,12 +17,14 @@ Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate . x): Megatr
 with `moe_shared_expert_gate` (TP-split like a dense MLP; its width must divide by TP, no padding).
 The router runs in fp32 (`moe_router_dtype`).
 
-Experts: expert tensor parallel is 1 (each expert whole on one rank, so TP > 1 needs EP > 1: Megatron
-syncs EP = 1 experts like dense weights, not over the TP ranks that saw the other tokens); expert parallel (`layout.ep`)
-splits the experts evenly, rank r holding experts [r * E/ep, (r+1) * E/ep). Local spec (CPU):
-`SequentialMLP` and the allgather token dispatcher (gloo has it; it needs no all_to_all); TE spec
-(GPU): `TEGroupedMLP` and the alltoall dispatcher. The router load-balancing loss is
-`trainer.moe_aux_loss_coef` (0 = off: the loss is then exactly the policy loss).
+Experts: expert tensor parallel is 1 (each expert whole on one rank); expert parallel (`layout.ep`)
+splits the experts evenly, rank r holding experts [r * E/ep, (r+1) * E/ep). Their grads are reduced over
+the expert-data-parallel group at every layout (`reduce_expert_grads_over_expert_dp`; Megatron does it
+only at EP > 1, which left TP > 1 at EP = 1 wrong). Local spec (CPU): `SequentialMLP` and the allgather
+token dispatcher (gloo has it; it needs no all_to_all); TE spec (GPU): `TEGroupedMLP` and the alltoall
+dispatcher. The router load-balancing loss is `trainer.moe_aux_loss_coef` (0 = off: the loss is then
+exactly the policy loss); like Megatron's, it is per micro-batch (f_i, P_i of one packed bin), each TP/CP
+rank adding its tokens' part, weighted by the bin's real-token count (over TP x CP) like the policy loss.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def moe_dims(hf_config) -> MoeDims | None:
                    int(hf_config.intermediate_size), True)
 
 
-def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int, cp: int,
+def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int,
                         sequence_parallel: bool, aux_loss_coef: float, full_recompute: bool) -> list[str]:
     """Why an MoE model cannot train in this layout, one line per cause naming its config key (empty: it
     can). Shared by the model build and `megatron-rl plan`, so a refused layout is refused before launch."""
@@ -75,15 +77,6 @@ def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int,
     if shared_ffn_size % tp:
         problems.append(f"shared_expert_intermediate_size={shared_ffn_size} is not divisible by "
                         f"trainer.tensor_parallel={tp}")
-    if tp > 1 and ep == 1:
-        # experts are whole (expert TP 1) and see only their TP rank's SP tokens; Megatron sums expert grads
-        # over the TP ranks only when EP > 1 marks them expert-parallel (else they sync like dense weights)
-        problems.append("MoE with trainer.tensor_parallel > 1 needs trainer.expert_parallel > 1 (at 1 the "
-                        "expert grads would not be summed over the TP ranks)")
-    if aux_loss_coef > 0 and cp > 1:
-        # found by tests/multiproc/test_train_moe_model_parallel.py: at CP=2 the aux loss gradient is not
-        # that of CP=1 (nor a multiple of it), while TP+SP and PP match; cause not identified
-        problems.append("trainer.moe_aux_loss_coef > 0 is not supported with trainer.context_parallel > 1")
     if tp > 1 and not sequence_parallel:
         problems.append("MoE with trainer.tensor_parallel > 1 needs trainer.sequence_parallel: true "
                         "(Megatron's MoE layer refuses to train without it)")
@@ -97,7 +90,7 @@ def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int,
 def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0,
                       full_recompute: bool = False) -> dict:
     problems = moe_layout_problems(moe.num_experts, moe.shared_ffn_size, tp=layout.tp, ep=layout.ep,
-                                   cp=layout.cp, sequence_parallel=layout.sequence_parallel,
+                                   sequence_parallel=layout.sequence_parallel,
                                    aux_loss_coef=router_aux_loss, full_recompute=full_recompute)
     if problems:
         raise ValueError(problems[0])
@@ -144,6 +137,24 @@ def router_padding(chunk, mb, forward_kwargs: dict):
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         pad_mask = pad_mask.chunk(tp, dim=1)[rank]
     yield {**forward_kwargs, "padding_mask": pad_mask.contiguous()}
+
+
+def reduce_expert_grads_over_expert_dp(chunk) -> None:
+    """Mark every routed-expert parameter of `chunk` expert-parallel (`allreduce = False`), so that DDP and
+    the optimizer reduce (and shard) its gradient over Megatron's expert-data-parallel group.
+
+    Why: the experts are whole on every rank (expert TP 1), and the allgather dispatcher only gathers the
+    tokens over the expert TP x EP group, so at TP > 1 and EP = 1 each TP rank's experts see only that
+    rank's sequence-parallel tokens. Megatron marks experts expert-parallel only when EP > 1; at EP = 1 it
+    syncs them like dense weights, over DP x CP, which leaves the TP ranks' halves unsummed. The
+    expert-data-parallel group is TP x CP x DP / EP (world / (expert TP 1 x EP x PP)), the ranks that hold
+    the same experts after different tokens: the right one at any EP (at TP = 1, EP = 1 it equals DP x CP)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in chunk.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
 
 
 def router_hf_name(moe: MoeDims, layer: int) -> str:

@@ -24,10 +24,10 @@ def moe_config(model_dir: str, **keys):
 
     return config_from_dict({
         "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": 25, "lr": 1e-2,
-                    "grad_clip": 1e6, **keys,
+                    "grad_clip": 1e6,
                     # grads all-reduced, not reduce-scattered: every rank then holds every full gradient
-                    # (expert grads are DP-sharded at EP=1 and whole at EP=2 under the distributed optimizer)
-                    "distributed_optimizer": False},
+                    # (under the distributed optimizer each rank holds only its shard's reduced grads)
+                    "distributed_optimizer": False, **keys},
         "algo": {"eps_low": 0.2, "eps_high": 0.28}})
 
 

@@ -10,9 +10,9 @@ in fresh processes: CP=c runs on c ranks (torchrun, the machine's cores split be
 rank's peak RSS growth over one `forward_backward` after a warm-up one (the CUDA allocator's peak on
 a GPU); the table shows the largest rank's. tokens/s counts the whole bin once (every CP rank holds
 1/c of it) over the slowest rank's step time. The estimate column is what `tools.estimate` counts for
-a CP rank: `activation_memory` at micro_batch_tokens / CP plus the fp32 logits and their gradient
-for those tokens; it does not count the all-gathered K/V nor the attention masks of the CPU CP path
-(`train/cp_attention.py`).
+a CP rank: `activation_memory` at micro_batch_tokens / CP (on CPU with the local spec's CP attention,
+which keeps the all-gathered K/V of the whole row, `train/cp_attention.py`) plus the fp32 logits and
+their gradient for those tokens.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main() -> None:
                 "seq_lengths": [args.tokens // args.seqs] * args.seqs, "repeats": args.repeats}
         result = measure(spec)
         # each CP rank holds tokens / CP of every activation and of the logits (as tools.estimate counts it)
-        rows[cp] = (result, bench_estimate(shapes, args.tokens // cp, args.recompute, args.precision))
+        rows[cp] = (result, bench_estimate(shapes, args.tokens // cp, args.recompute, args.precision, cp))
     base, _ = next(iter(rows.values()))
     print(f"model: {args.layers} layers, hidden {h}, ffn {ffn}, GQA 8/2, {args.precision}, recompute "
           f"{args.recompute}; one bin of {args.tokens} tokens ({args.seqs} sequences); device {base['device']}")

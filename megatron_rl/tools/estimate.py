@@ -143,7 +143,7 @@ def _round_up(n: int, m: int) -> int:
 def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_parallel: bool = False,
                       recompute: str = "none", recompute_method: str = "uniform", recompute_num_layers: int = 1,
                       stage_layers: int | None = None, in_flight: int = 1, elem_bytes: int = 2,
-                      kernels: str = "fused") -> dict[str, float]:
+                      kernels: str = "fused", context_parallel: int = 1) -> dict[str, float]:
     """Peak activation bytes of one pipeline stage in a training step (per GPU), logits excluded.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
@@ -167,6 +167,14 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
       keeps SDPA's own output apart from the projection's reshaped copy (+q) and RoPE's cos/sin
       (4 head_dim);
     - SwiGLU: the FC1 output 2f and the FC2 input f; unfused, silu(gate) and one more f (5f).
+    - context parallel (`tokens` is one CP rank's share, CP = context_parallel): the fused profile is
+      TE's ring attention, counted as above. The local spec's CP attention (train/cp_attention.py)
+      keeps the K/V it all-gathered, the whole row's (2 kv x CP per local token), and neither the QKV
+      output nor the rotated k (only the gathered copy reaches the kernel): its attention term is
+      3q + 2 kv CP instead of 4q + 3kv. Selective recompute drops the gathered K/V and the kernel's
+      output but keeps the checkpoint's inputs (q, k, and v, a view of the QKV output): 3q + 3kv, as
+      without CP. Checked against the saved tensors of the real CP=2 step
+      (tests/multiproc/test_estimate_context_parallel.py).
 
     Stored per micro-batch in flight, L = stage_layers:
     - none: L x A;
@@ -190,7 +198,10 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
     q = kv_heads * (shapes.heads // shapes.kv_heads) * shapes.head_dim
     kv = kv_heads * shapes.head_dim
     f = _round_up(shapes.ffn, tp)
-    if local:
+    if local and context_parallel > 1:  # the gathered whole-row K/V instead of the QKV output and k
+        per_token = 6 * h / d + (3 * q + 2 * kv * context_parallel + 5 * f) / t + 4 * shapes.head_dim
+        attn_core = (2 * context_parallel - 3) * kv / t  # selective keeps q, k, v (3q + 3kv)
+    elif local:
         per_token = 6 * h / d + (4 * q + 3 * kv + 5 * f) / t + 4 * shapes.head_dim
         attn_core = q / t  # SDPA's own output, apart from the output projection's input
     else:
@@ -263,7 +274,7 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     act = activation_memory(shapes, tokens, tp=tp, sequence_parallel=t.sequence_parallel,
                             recompute=t.recompute, recompute_method=t.recompute_method,
                             recompute_num_layers=t.recompute_num_layers, stage_layers=stage_layers,
-                            in_flight=in_flight, elem_bytes=wbytes)
+                            in_flight=in_flight, elem_bytes=wbytes, context_parallel=cp)
     tr["activations"] = act["total"] / GB
     tr["logits"] = tokens * shapes.vocab / tp * 4 * 2 / GB  # logits + their gradient, fp32
     tr["overhead"] = cluster.trainer_overhead_gb

@@ -42,16 +42,17 @@ def bench_llama(hidden: int, layers: int, max_positions: int):
     return model, Shapes(BENCH_VOCAB, hidden, layers, 8, 2, hidden // 8, ffn, False)
 
 
-def bench_estimate(shapes, tokens: int, recompute: str, precision: str) -> float:
-    """`tools.estimate`'s activation bytes of a step on `tokens` tokens (this device's kernels) plus the
-    float32 logits and their gradient: what `measure` reports as growth, for the benchmarks' tables."""
+def bench_estimate(shapes, tokens: int, recompute: str, precision: str, context_parallel: int = 1) -> float:
+    """`tools.estimate`'s activation bytes of a step on `tokens` tokens per rank (this device's kernels,
+    `context_parallel` ranks sharing each bin) plus the float32 logits and their gradient: what `measure`
+    reports as growth, for the benchmarks' tables."""
     import torch
 
     from megatron_rl.tools.estimate import activation_memory
 
     kernels = "fused" if torch.cuda.is_available() else "local"
     act = activation_memory(shapes, tokens, recompute=recompute, elem_bytes=4 if precision == "fp32" else 2,
-                            kernels=kernels)["total"]
+                            kernels=kernels, context_parallel=context_parallel)["total"]
     return act + tokens * shapes.vocab * 4 * 2
 
 

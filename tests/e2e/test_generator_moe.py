@@ -1,0 +1,157 @@
+"""A real SGLang server (CPU) serving a tiny random Qwen3-MoE (4 experts, top-2, renormalised): the
+trainer's weight push of expert weights, checked against HF transformers.
+
+SGLang 0.5.23 serves MoE on CPU without the real sgl_kernel: on a CPU without AMX, FusedMoE's
+`UnquantizedFusedMoEMethod.forward_cpu` runs `fused_moe_native.moe_forward_native` (a torch loop
+over experts) and top-k routing is plain torch. The pushed tensors are what the Megatron trainer
+exports (`export_hf_tensors`, EP=1) after its weights were changed; SGLang's Qwen3-MoE
+`load_weights` packs each expert's gate/up/down into the fused `experts.w13_weight` /
+`experts.w2_weight`. The reference is an HF model holding exactly the pushed tensors: greedy tokens
+must be equal, logprobs within float tolerance (as for the dense model, tests/e2e/test_generator.py).
+Not Qwen2-MoE: SGLang gates its shared expert with a Triton-only kernel on CPU (docs/rollout.md).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+
+import pytest
+import torch
+
+from megatron_rl.config import GeneratorConfig, RolloutConfig
+from megatron_rl.rollout.generator import Generator
+from megatron_rl.rollout.server import ServerSpec, SGLangServer
+from megatron_rl.sync.sender import WeightSender
+from megatron_rl.sync.update import push_in_process, target_of
+from support.train_models import make_tiny_moe
+from test_generator import PROMPTS, assert_matches_hf
+
+pytestmark = pytest.mark.e2e
+
+EXPERTS = 4
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def port_from(start: int) -> int:
+    """A loopback port >= `start` that is free now (test servers stay off the experiments' ports)."""
+    for port in range(start, start + 2000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}..{start + 2000}")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny MoE with the tiny Llama's tokenizer (the server needs one; the vocab sizes agree)."""
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    out = make_tiny_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), family="qwen3_moe", hidden=64, heads=4,
+                        kv_heads=2, head_dim=16, experts=EXPERTS, topk=2, expert_ffn=48, vocab=vocab)
+    for f in tiny_llama_dir.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gen(moe_dir, tmp_path_factory):
+    spec = ServerSpec(str(moe_dir), port_from(40000), max_total_tokens=2048, threads=1,
+                      log_path=str(tmp_path_factory.mktemp("sglang_moe") / "server.log"))
+    g = Generator(SGLangServer(spec), RolloutConfig(group_size=2, n_async=8, n_batch=2, n_mini=1),
+                  GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
+    g.start()
+    try:
+        yield g
+    finally:
+        g.close()
+    assert not g.server.alive()
+
+
+@pytest.fixture(scope="module")
+def trainer_tensors(moe_dir, tp1):
+    """What the trainer pushes after an update: the Megatron model loaded from disk, every weight
+    moved (a sharper output layer, so greedy has no near-ties), exported with HF names."""
+    from transformers import AutoConfig
+
+    from megatron_rl.train.hf_weights import export_hf_tensors, load_hf_weights
+    from megatron_rl.train.model import build_model
+
+    chunks = build_model(AutoConfig.from_pretrained(moe_dir), tp1, torch.float32, use_te=False)
+    load_hf_weights(chunks, moe_dir)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in chunks[0].named_parameters():
+            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+            if name.endswith("output_layer.weight"):
+                p.mul_(6.0)
+    return [(n, t.clone()) for n, t in export_hf_tensors(chunks)]
+
+
+def hf_with(moe_dir, tensors, out):
+    """The HF model loaded from a checkpoint of exactly `tensors` (HF's own loader packs the per-expert
+    tensors into its fused experts; every parameter must come from `tensors`, no name may be left)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir()
+    shutil.copy(moe_dir / "config.json", out / "config.json")
+    save_file(dict(tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
+    torch.set_num_threads(1)
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def swapped_experts(tensors, layer: int, a: int, b: int):
+    """`tensors` with experts a and b of `layer` exchanged (their names kept)."""
+    def other(name):
+        m = EXPERT.match(name)
+        if m is None or int(m[1]) != layer or int(m[2]) not in (a, b):
+            return name
+        return name.replace(f".experts.{m[2]}.", f".experts.{b if int(m[2]) == a else a}.")
+    by_name = dict(tensors)
+    return [(n, by_name[other(n)]) for n, _ in tensors]
+
+
+@torch.no_grad()
+def assert_outputs_differ(model_a, model_b):
+    """The two models' next-token log-probabilities differ on the test prompts (not only by rounding)."""
+    ids = torch.tensor([PROMPTS[1]])
+    a, b = (torch.log_softmax(m(ids).logits[0], -1) for m in (model_a, model_b))
+    assert (a - b).abs().max() > 0.1
+
+
+def test_moe_server_matches_hf_before_a_push(gen, moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    assert_matches_hf(gen, AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval(), 0)
+
+
+def test_pushed_trainer_experts_are_served(gen, moe_dir, trainer_tensors, tmp_path):
+    from safetensors.torch import load_file
+
+    disk = {k: v for f in moe_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    experts = [n for n, _ in trainer_tensors if EXPERT.match(n)]
+    assert len(experts) == 2 * EXPERTS * 3  # 2 layers x 4 experts x gate/up/down
+    assert all(not torch.equal(t, disk[n]) for n, t in trainer_tensors)  # every pushed weight is new
+    sender = WeightSender(0, [target_of(gen)], bucket_mb=0.05)
+    try:
+        report = push_in_process([gen], [(sender, trainer_tensors)], 1,
+                                 expected_names=list(disk))
+        assert report.reports[0].buckets > 1
+        pushed = hf_with(moe_dir, trainer_tensors, tmp_path / "pushed")
+        assert_matches_hf(gen, pushed, 1)
+        # the experts land where their names say: exchanging two experts' weights changes the output,
+        # and the server then equals the HF model with those two exchanged
+        swapped = swapped_experts(trainer_tensors, layer=0, a=0, b=1)
+        swapped_hf = hf_with(moe_dir, swapped, tmp_path / "swapped")
+        assert_outputs_differ(pushed, swapped_hf)
+        push_in_process([gen], [(sender, swapped)], 2, expected_names=list(disk))
+        assert_matches_hf(gen, swapped_hf, 2)
+    finally:
+        sender.close()

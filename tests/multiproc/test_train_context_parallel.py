@@ -5,8 +5,8 @@ uneven lengths, one of them (3 tokens) shorter than the 2*CP = 4 chunks it is cu
 
 CP=1 at DP=2 is the reference: the DP=2 step is itself checked against HF autograd in
 tests/multiproc/test_train_step_parallel.py. Under CP each rank holds its load-balanced chunks of every
-sequence; the logits are put back in row order here with `packing.cp_token_index`, independently of
-the attention's own bookkeeping. Tolerance: the harness's (rtol 1e-4, atol 1e-6): CP sums gradients
+sequence; the logits are put back in row order with `packing.cp_token_index` (tests/support/context_parallel.py),
+independently of the attention's own bookkeeping. Tolerance: the harness's (rtol 1e-4, atol 1e-6): CP sums gradients
 over ranks in another order and attends in blocks merged by log-sum-exp over gathered keys; weights
 after the step are compared where the gradient exceeds its own tolerance (Adam's first step
 normalises near-zero gradients, see below).
@@ -34,39 +34,6 @@ def _config(model_dir: str, precision: str = "fp32", **keys):
         "algo": {"eps_low": 0.2, "eps_high": 0.28}})
 
 
-def _row(local: torch.Tensor, mb) -> torch.Tensor:
-    """A micro-batch's per-token tensor ([T_local, ...], this rank's chunks) in row order [T, ...]."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.train.packing import cp_token_index
-
-    if mb.cp is None:
-        return local
-    cp, group = mb.cp[0], ps.get_context_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    full = local.new_empty((int(mb.cu_seqlens[-1]),) + tuple(local.shape[1:]))
-    for r, part in enumerate(parts):
-        full[cp_token_index(mb.cu_seqlens, cp, r)] = part
-    return full
-
-
-def _per_sequence(prepared, rows: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """{index in the minibatch: the sequence's slice of its bin's row}, merged over DP ranks."""
-    import torch.distributed as dist
-
-    mine = {}
-    for mb, row in zip(prepared.packed.micro_batches, rows):
-        cu = mb.cu_seqlens.tolist()
-        for j, local in enumerate(mb.seq_indices):
-            i = prepared.share[local]
-            mine[i] = row[cu[j]:cu[j] + len(prepared.seqs[i].token_ids)].float().cpu()
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {k: v for d in every for k, v in d.items()}
-
-
 def worker(root: Path) -> None:
     import torch.distributed as dist
 
@@ -74,6 +41,7 @@ def worker(root: Path) -> None:
     from megatron_rl.train.parallel import destroy_parallel
     from megatron_rl.train.step import _forward, collect_logprobs, forward_backward, prepare_minibatch
     from megatron_rl.train.trainer import Trainer
+    from support.context_parallel import per_sequence, row_order
 
     torch.set_num_threads(1)
     spec = json.loads((root / "spec.json").read_text())
@@ -84,9 +52,9 @@ def worker(root: Path) -> None:
         prepared = prepare_minibatch(trainer.model, seqs, trainer.ctx)
         mbs = prepared.packed.micro_batches
         with torch.no_grad():
-            logits = _per_sequence(prepared, [_row(_forward(chunk, mb, trainer.ctx.use_thd)[0], mb) for mb in mbs])
+            logits = per_sequence(prepared, [row_order(_forward(chunk, mb, trainer.ctx.use_thd)[0], mb) for mb in mbs])
         collect_logprobs(trainer.model, prepared, trainer.ctx, "proximal_logprobs")
-        logprobs = _per_sequence(prepared, [_row(mb.proximal_logprobs[0], mb) for mb in mbs])
+        logprobs = per_sequence(prepared, [row_order(mb.proximal_logprobs[0], mb) for mb in mbs])
         bins = [dict(local=mb.length, cu=mb.cu_seqlens.tolist(), n_seqs=len(mb.seq_indices)) for mb in mbs]
         trainer.optimizer.zero_grad()
         out = forward_backward(trainer.model, prepared, trainer.ctx)
@@ -178,4 +146,5 @@ def test_context_parallel_equals_cp1(tiny_llama_dir, tmp_path):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
     worker(Path(sys.argv[1]))

@@ -4,6 +4,8 @@
   dense families); unsupported variants raise `UnsupportedModelError`.
 - `moe_layout_problems(...)`: why a parallel layout cannot train an MoE model (also for `megatron-rl plan`).
 - `moe_config_kwargs(moe, layout, use_te, router_aux_loss, full_recompute)`: the TransformerConfig fields.
+- `reduce_expert_grads_over_expert_dp(chunk)`: marks the routed experts so DDP and the optimizer reduce
+  their grads over the expert-data-parallel group (build_model calls it before DDP wraps the chunk).
 - `router_padding(chunk, mb, forward_kwargs)`: context giving the forward kwargs that keep a packed
   micro-batch's padding out of the router load-balancing loss (Megatron's `padding_mask`).
 - `expert_hf_name(moe, layer, expert, part)` / `router_hf_name(moe, layer)`: the HF checkpoint names

@@ -171,16 +171,17 @@ class Generator:
             r = to_rollout(out, group_id=s.request.group_id, sample_index=s.request.sample_index,
                            prompt_ids=s.request.prompt_ids, generator_id=self.generator_id,
                            temperature=scoring_temperature(s.sampling))
+            # queued before it leaves _pending: in_flight == 0 with an empty queue means all delivered
+            self._out.put(r)
             with self._lock:
                 self._pending.pop(s.rid, None)
                 idle = not self._pending
             if idle:
                 self.flush_stale_cache()
-            self._out.put(r)
         except BaseException as e:  # never lose a sample silently: surface the error to get()
+            self._out.put(e)
             with self._lock:
                 self._pending.pop(s.rid, None)
-            self._out.put(e)
 
     def get(self, timeout: float | None = None) -> Rollout | None:
         """Next finished rollout, or None after `timeout`; raises what a worker hit."""

@@ -129,12 +129,24 @@ def measure(spec: dict, timeout: float = 900) -> dict:
     if nproc > 1:  # --standalone: a rendezvous on a free loopback port
         env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
         launch += ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
-    proc = subprocess.run(launch + ["megatron_rl.tools.step_memory", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=repo)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc = subprocess.Popen(launch + ["megatron_rl.tools.step_memory", json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=repo)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: only its SIGTERM handler stops them
+        # (SIGTERM, then SIGKILL after its grace period); a SIGKILL here would orphan the ranks
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or len(lines) != nproc:
         raise RuntimeError(f"step_memory child failed (exit {proc.returncode}, {len(lines)} of {nproc} "
-                           f"ranks reported): {proc.stderr[-3000:]}")
+                           f"ranks reported): {stderr[-3000:]}")
     ranks = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
     if nproc == 1:
         return ranks[0]

@@ -1,6 +1,12 @@
 """`tools.step_memory.measure` on 2 gloo ranks (torchrun): the CP=2 step reports both ranks and its
 loss equals the single-process CP=1 step's (the step's metrics are summed over the CP ranks), so the
 multi-rank path measures the same training step (benchmarks/context_parallel.py relies on it)."""
+import os
+import random
+import subprocess
+import threading
+import time
+
 import pytest
 
 from megatron_rl.tools.step_memory import measure
@@ -22,3 +28,41 @@ def test_two_rank_measure_reports_each_rank_of_the_same_step():
     assert two["tokens_per_s"] == min(r["tokens_per_s"] for r in two["ranks"])
     assert two["tokens"] == one["tokens"] == 64 and two["n_micro_batches"] == one["n_micro_batches"] == 1
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_timeout_kills_the_rank_processes_too():
+    seed = random.randrange(10**11, 10**12)  # in every rank's command line: finds them
+    spec = {**_spec(2), "repeats": 10**9, "seed": seed}
+    outcome, seen = [], 0
+    worker = threading.Thread(target=lambda: outcome.append(_timed_out(spec)))
+    worker.start()
+    while worker.is_alive():
+        seen = max(seen, len(_processes_with(f'"seed": {seed}')))
+        time.sleep(0.2)
+    assert outcome == [True]
+    if seen < 3:  # torchrun + 2 ranks
+        pytest.skip(f"the ranks had not started within the timeout ({seen} processes seen)")
+    deadline = time.time() + 10
+    while _processes_with(f'"seed": {seed}') and time.time() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(f'"seed": {seed}') == []
+
+
+def _timed_out(spec: dict) -> bool:
+    try:
+        measure(spec, timeout=30)
+    except subprocess.TimeoutExpired:
+        return True
+    return False

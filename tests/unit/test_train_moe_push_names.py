@@ -3,7 +3,7 @@
 expert tensor is routed by the installed SGLang's `FusedMoE.make_expert_params_mapping` (the mapping
 its Qwen3-MoE, Qwen2-MoE and Mixtral `load_weights` use) to the right expert and shard of the fused
 `experts.w13_weight` [E, 2I, H] / `experts.w2_weight` [E, H, I], with the per-expert shapes those take.
-Not run here: a real push into an SGLang MoE server (no MoE generator test on CPU)."""
+The real push into a running SGLang server (Qwen3-MoE, EP=1) is tests/e2e/test_generator_moe.py."""
 import re
 
 import pytest

@@ -4,7 +4,8 @@ One torchrun launch (2 gloo ranks, this file's `__main__` part): a tiny Qwen2-Mo
 and a gated shared expert TP-split like a dense MLP) trains 2 RL steps at TP=2 with sequence parallel,
 EP=1 (experts whole on both TP ranks, their optimizer state sharded over the expert-data-parallel group,
 here the TP ranks: moe.reduce_expert_grads_over_expert_dp) and saves A (fully_reshardable). A loads at
-DP=2, DP=2 x EP=2 and TP=2 again (TP=2 x EP=2 also passed when tried; left out for the suite's time). For each load, on both ranks:
+DP=2, DP=2 x EP=2 and TP=2 again (TP=2 x EP=2 also passed when tried; left out for the suite's
+time). For each load, on both ranks:
 (a) the HF-named weights (hf_weights.export_hf_tensors: experts, router, shared expert, dense) equal the
     saved ones exactly;
 (b) one more RL step gives the weights one more step at the saving layout gave (RTOL/ATOL below): the

@@ -17,7 +17,7 @@ from megatron_rl.data.rows import DataError, problem_from_row
 from megatron_rl.records import Problem
 
 __all__ = ["DataError", "iter_problems", "read_jsonl", "read_parquet", "read_problems", "reasoning_gym_problems",
-           "utf8_lines"]
+           "json_object_lines", "utf8_lines"]
 
 
 def _validated(problem: Problem, where: str) -> Problem:
@@ -42,6 +42,20 @@ def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
                                 f"{e.start + 1}); save the file as UTF-8") from None
 
 
+def json_object_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSONL file; DataError naming the file and line on
+    a line that is not UTF-8, not JSON or not a JSON object."""
+    for lineno, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+        yield lineno, row
+
 def read_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
     """Lines of {"id"?, prompt, "task" | (answer | tests, "kind"?, language?), "lang"?, ...} under the
     column names of `cfg` (default: prompt or problem, answer, tests, language)."""
@@ -50,17 +64,8 @@ def read_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]
     if not path.is_file():
         raise DataError(f"problem file not found: {path}")
     problems = []
-    for lineno, line in utf8_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON: {e}") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: each line must be a JSON object")
-        problems.append(problem_from_row(row, where, f"{path.stem}-{lineno}", cfg))
+    for lineno, row in json_object_lines(path):
+        problems.append(problem_from_row(row, f"{path}:{lineno}", f"{path.stem}-{lineno}", cfg))
     if not problems:
         raise DataError(f"{path}: no problems")
     return problems

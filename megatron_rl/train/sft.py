@@ -10,13 +10,12 @@ The completion ends with the tokenizer's EOS token so the model learns to stop.
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from megatron_rl.data.sources import DataError, utf8_lines
+from megatron_rl.data.sources import DataError, json_object_lines
 from megatron_rl.records import TrainSequence
 
 
@@ -30,17 +29,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The records of a JSONL trace file; DataError (a ValueError) naming the file and line on a line
     that is not UTF-8, not JSON or not a JSON object."""
     path = Path(path)
-    records = []
-    for n, line in utf8_lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: invalid JSON: {e}") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{n}: each line must be a JSON object, got {type(record).__name__}")
-        records.append(record)
+    records = [record for _, record in json_object_lines(path)]
     if not records:
         raise DataError(f"{path}: no records")
     return records

@@ -15,16 +15,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 
 import pytest
 import torch
 
-from megatron_rl.config import GeneratorConfig, RolloutConfig
-from megatron_rl.rollout.generator import Generator
-from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.sender import WeightSender
 from megatron_rl.sync.update import push_in_process, target_of
+from support.runs import running_generator
 from support.train_models import make_tiny_moe
 from test_generator import PROMPTS, assert_matches_hf
 
@@ -32,18 +29,6 @@ pytestmark = pytest.mark.e2e
 
 EXPERTS = 4
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
-
-
-def port_from(start: int) -> int:
-    """A loopback port >= `start` that is free now (test servers stay off the experiments' ports)."""
-    for port in range(start, start + 2000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {start}..{start + 2000}")
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +44,8 @@ def moe_dir(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gen(moe_dir, tmp_path_factory):
-    spec = ServerSpec(str(moe_dir), port_from(40000), max_total_tokens=2048, threads=1,
-                      log_path=str(tmp_path_factory.mktemp("sglang_moe") / "server.log"))
-    g = Generator(SGLangServer(spec), RolloutConfig(group_size=2, n_async=8, n_batch=2, n_mini=1),
-                  GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
-    g.start()
-    try:
+    with running_generator(moe_dir, tmp_path_factory.mktemp("sglang_moe"), max_total_tokens=2048, threads=1) as g:
         yield g
-    finally:
-        g.close()
-    assert not g.server.alive()
 
 
 @pytest.fixture(scope="module")

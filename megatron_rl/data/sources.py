@@ -56,6 +56,7 @@ def json_object_lines(path: Path) -> Iterator[tuple[int, dict]]:
             raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
         yield lineno, row
 
+
 def read_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
     """Lines of {"id"?, prompt, "task" | (answer | tests, "kind"?, language?), "lang"?, ...} under the
     column names of `cfg` (default: prompt or problem, answer, tests, language)."""

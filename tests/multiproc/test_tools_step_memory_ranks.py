@@ -1,12 +1,12 @@
 """`tools.step_memory.measure` on 2 gloo ranks (torchrun): the CP=2 step reports both ranks and its
 loss equals the single-process CP=1 step's (the step's metrics are summed over the CP ranks), so the
 multi-rank path measures the same training step (benchmarks/context_parallel.py relies on it)."""
-import os
 import random
 import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 
 from megatron_rl.tools.step_memory import measure
@@ -31,15 +31,7 @@ def test_two_rank_measure_reports_each_rank_of_the_same_step():
 
 
 def _processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except (OSError, ValueError):
-            continue
-    return found
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
 
 
 def test_timeout_kills_the_rank_processes_too():

@@ -98,7 +98,7 @@ class Generator:
         if self.server.alive():
             try:
                 self.server.client.abort(abort_all=True)
-            except Exception:
+            except (SGLangHTTPError, OSError):  # best effort: the server is stopped next either way
                 pass
         self.server.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -54,7 +54,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from . import packed_rope
-from .cp_attention import cp_attention
+from .cp_attention import cp_attention, window_causal_attention
 
 
 class UnsupportedMaskError(ValueError):
@@ -254,6 +254,8 @@ class SegmentCausalAttention(MegatronModule):
         length = q.shape[2]
         gqa = self.heads_per_rank != self.groups_per_rank
         if self.window_left is not None and length > self.window_left + 1:
+            if q.device.type == "cpu" and self.window_left >= 1:  # flash blocks, no [L, L] float mask saved
+                return window_causal_attention(q, k, v, 0, self.window_left, self.softmax_scale)
             mask = _window_mask(length, self.window_left, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
                                                   enable_gqa=gqa)

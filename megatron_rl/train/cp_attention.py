@@ -64,49 +64,105 @@ def _flash_cpu(q, k, v, causal: bool, scale: float):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-class _PrefixCausalCPU(torch.autograd.Function):
-    """q [b, np, c, hn] at the last c of the s + c key positions of k/v [b, ng, s + c, hn]: query i sees
-    keys [0, s + i]. Forward: unmasked prefix block + causal diagonal block, merged by log-sum-exp (in
-    float32). Backward: the flash backward of each block with the merged output and log-sum-exp."""
+def _flash_block(q, k, v, mode: str, scale: float):
+    """One key block for every query: 'full' (unmasked), 'causal' (square, query i sees keys <= i) or
+    'anticausal' (square, query i sees keys >= i: the causal kernel on both sequences reversed)."""
+    if mode == "anticausal":
+        out, lse = _flash_cpu(q.flip(2), k.flip(2), v.flip(2), True, scale)
+        return out.flip(2), lse.flip(-1)
+    return _flash_cpu(q, k, v, mode == "causal", scale)
+
+
+def _flash_block_backward(grad, q, k, v, out, lse, mode: str, scale: float):
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if mode == "anticausal":
+        grads = backward(grad.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1), 0.0, True,
+                         scale=scale)
+        return tuple(g.flip(2) for g in grads)
+    return backward(grad, q, k, v, out, lse, 0.0, mode == "causal", scale=scale)
+
+
+class _TilesCPU(torch.autograd.Function):
+    """q [b, np, c, hn] cut into query tiles, each over its disjoint key blocks of k/v [b, ng, s, hn]:
+    `tiles` = ((q_start, q_end, ((k_start, k_end, mode), ...)), ...) covering the queries in order (keys
+    in no block of a tile are hidden from it). Forward: each block by the fused CPU flash kernel, a tile's
+    blocks merged by their log-sum-exps (in float32). Backward: the flash backward of each block with
+    the merged output and log-sum-exp (exact: the softmax of each row is the merged one); K/V gradients
+    of all tiles summed in float32 and rounded once."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        prefix = k.shape[2] - q.shape[2]
-        out, lse = _flash_cpu(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
-        if prefix:
-            out_p, lse_p = _flash_cpu(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
-            merged = torch.logaddexp(lse_p, lse)
-            out = (out_p.float() * (lse_p - merged).exp().unsqueeze(-1)
-                   + out.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)
-            lse = merged
+    def forward(ctx, q, k, v, tiles, scale):
+        outs, lses = [], []
+        for q0, q1, blocks in tiles:
+            parts = [_flash_block(q[:, :, q0:q1], k[:, :, a:e], v[:, :, a:e], mode, scale) for a, e, mode in blocks]
+            if len(parts) == 1:
+                out, lse = parts[0]
+            else:
+                lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+                out = sum(part.float() * (part_lse - lse).exp().unsqueeze(-1) for part, part_lse in parts)
+                out = out.to(q.dtype)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = (outs[0], lses[0]) if len(tiles) == 1 else (torch.cat(outs, dim=2), torch.cat(lses, dim=2))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
+        ctx.tiles, ctx.scale = tiles, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        prefix = k.shape[2] - q.shape[2]
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         grad = grad.contiguous()
-        dq, dk, dv = backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, True, scale=ctx.scale)
-        if prefix:
-            dq_p, dk_p, dv_p = backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False,
-                                        scale=ctx.scale)
-            dq, dk, dv = dq + dq_p, torch.cat([dk_p, dk], dim=2), torch.cat([dv_p, dv], dim=2)
-        return dq, dk, dv, None
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for q0, q1, blocks in ctx.tiles:
+            rows = slice(q0, q1)
+            for a, e, mode in blocks:
+                dq_b, dk_b, dv_b = _flash_block_backward(grad[:, :, rows], q[:, :, rows], k[:, :, a:e], v[:, :, a:e],
+                                                         out[:, :, rows], lse[:, :, rows], mode, ctx.scale)
+                dq[:, :, rows] += dq_b
+                dk[:, :, a:e] += dk_b
+                dv[:, :, a:e] += dv_b
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _prefix_blocks(prefix: int, end: int) -> tuple:
+    """Key blocks of queries at the last end - prefix positions seeing keys [0, own position]."""
+    return ((0, prefix, "full"), (prefix, end, "causal")) if prefix else ((0, end, "causal"),)
 
 
 def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Lower-right aligned causal attention (query i of c sees keys [0, len(k) - c + i]), GQA allowed,
     with no [c, len(k)] mask: the CPU kernel's blocks, or torch's `causal_lower_right` bias elsewhere."""
     if q.device.type == "cpu":
-        return _PrefixCausalCPU.apply(q, k, v, scale)
+        return _TilesCPU.apply(q, k, v, ((0, q.shape[2], _prefix_blocks(k.shape[2] - q.shape[2], k.shape[2])),),
+                               scale)
     from torch.nn.attention.bias import causal_lower_right
 
     k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
                                           scale=scale)
+
+
+def window_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int,
+                            scale: float) -> torch.Tensor:
+    """CPU sliding-window causal attention with no [queries, keys] mask: q [b, np, c, hn] at positions
+    [first, first + c) of k/v [b, ng, first + c, hn]; the query at position t sees keys
+    [max(0, t - window), t]. Queries at positions <= window see their whole prefix (one prefix-causal
+    tile); the others go in tiles of at most `window` queries [s, s + n), each over the keys
+    [s - window, s + n): an anticausal square [s - window, s - window + n) (the window's lower edge), an
+    unmasked block up to s and the causal diagonal square [s, s + n)."""
+    if window < 1:
+        raise ValueError(f"window_causal_attention needs a window of at least 1 key back, got {window}")
+    c = q.shape[2]
+    head = min(c, max(0, window + 1 - first))  # queries whose window reaches key 0
+    tiles = [(0, head, _prefix_blocks(first, first + head))] if head else []
+    s = first + head
+    while s < first + c:
+        n = min(window, first + c - s)
+        blocks = ((s - window, s - window + n, "anticausal"), (s - window + n, s, "full"), (s, s + n, "causal"))
+        tiles.append((s - first, s - first + n, tuple(b for b in blocks if b[1] > b[0])))
+        s += n
+    return _TilesCPU.apply(q, k, v, tuple(tiles), scale)
 
 
 def _segment_keys(kv_all: torch.Tensor, offset: int, length: int, cp_size: int) -> torch.Tensor:
@@ -138,12 +194,17 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: li
         last = int(qpos[-1]) + 1  # keys beyond the last query are masked for every query: skip them
         keys = _segment_keys(kv_all, offset, length, cp_size)[:, :, :last]
         mine = q[:, :, offset:offset + n_local]
+        c = n_local // 2  # two chunks; the first sees keys up to its own last position
+        first_end = (cp_rank + 1) * c
         if window_left is None or window_left >= last - 1:  # no window, or one that hides no key
-            c = n_local // 2  # two chunks; the first sees keys up to its own last position
-            first_end = (cp_rank + 1) * c
             outs += [prefix_causal_attention(mine[:, :, :c], keys[:, :ng, :first_end], keys[:, ng:, :first_end],
                                              scale),
                      prefix_causal_attention(mine[:, :, c:], keys[:, :ng], keys[:, ng:], scale)]
+        elif q.device.type == "cpu" and window_left >= 1:  # each chunk over the keys of its window only
+            outs += [window_causal_attention(mine[:, :, :c], keys[:, :ng, :first_end], keys[:, ng:, :first_end],
+                                             int(qpos[0]), window_left, scale),
+                     window_causal_attention(mine[:, :, c:], keys[:, :ng], keys[:, ng:], int(qpos[c]), window_left,
+                                             scale)]
         else:
             d = qpos[:, None] - torch.arange(last, device=q.device)[None, :]
             mask = (d >= 0) & (d <= window_left)

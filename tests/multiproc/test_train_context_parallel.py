@@ -1,7 +1,9 @@
 """Context parallel at CP=2 (2 gloo processes) equals CP=1 (DP=2 on the same 2 processes): per-sequence
 logits and trainer logprobs (collect_logprobs), the RL step's loss and metrics, every gradient, the
 gradient norm and the weights after the optimizer step, on packed bins holding several sequences of
-uneven lengths, one of them (3 tokens) shorter than the 2*CP = 4 chunks it is cut into.
+uneven lengths, one of them (3 tokens) shorter than the 2*CP = 4 chunks it is cut into. Twice: a tiny
+Llama, and a tiny Mistral whose sliding window (4 keys) is shorter than most sequences (so the CP chunks'
+windows cut their key prefixes; its DP=2 logits are also checked against HF transformers directly).
 
 CP=1 at DP=2 is the reference: the DP=2 step is itself checked against HF autograd in
 tests/multiproc/test_train_step_parallel.py. Under CP each rank holds its load-balanced chunks of every
@@ -18,11 +20,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # no distributed optimizer: every rank then holds the whole all-reduced gradient
 CASES = {"dp2": {"data_parallel": 2}, "cp2": {"context_parallel": 2}}
 MICRO_BATCH_TOKENS = 32
+WINDOW = 4  # Mistral's sliding_window: a token sees itself and 3 keys back
 
 
 def _config(model_dir: str, precision: str = "fp32", **keys):
@@ -62,7 +66,7 @@ def worker(root: Path) -> None:
         ok, grad_norm, _ = trainer.optimizer.step()
         weights = {n: p.detach().float().cpu() for n, p in chunk.named_parameters()}
         reload = None
-        if chunk.config.context_parallel_size > 1:  # a checkpoint of the CP layout loads back whole
+        if chunk.config.context_parallel_size > 1 and spec["reload"]:  # a CP checkpoint loads back whole
             path = trainer.save(root / "ckpt")
             with torch.no_grad():
                 for p in chunk.parameters():
@@ -95,14 +99,19 @@ def _minibatch(model_dir):
     return seqs[:3] + [short] + seqs[3:]
 
 
-def test_context_parallel_equals_cp1(tiny_llama_dir, tmp_path):
-    import pytest
-
+@pytest.mark.parametrize("family", ["llama", "mistral_window"])
+def test_context_parallel_equals_cp1(request, tmp_path, family):
     from support.torchrun import run_two_ranks
+    from support.train_models import make_tiny_hf
+    from unit.test_train_step import hf_model
 
-    seqs = _minibatch(tiny_llama_dir)
+    window = family == "mistral_window"
+    model_dir = (make_tiny_hf(tmp_path / "mistral", family="mistral", sliding_window=WINDOW) if window
+                 else request.getfixturevalue("tiny_llama_dir"))
+    seqs = _minibatch(model_dir)
     (tmp_path / "spec.json").write_text(json.dumps(
-        {"model_dir": str(tiny_llama_dir), "seqs": [dataclasses.asdict(s) for s in seqs]}))
+        {"model_dir": str(model_dir), "seqs": [dataclasses.asdict(s) for s in seqs],
+         "reload": not window}))  # the checkpoint round trip is checked once, on the Llama
     run_two_ranks(__file__, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
 
     got = {name: [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
@@ -116,7 +125,16 @@ def test_context_parallel_equals_cp1(tiny_llama_dir, tmp_path):
             assert all((e - a) % 4 == 0 for a, e in zip(b["cu"], b["cu"][1:])) and b["local"] * 2 == b["cu"][-1]
     assert sorted(base["logits"]) == list(range(len(seqs)))
     for r in got["cp2"]:
-        assert r["reload"] == {"weights_back": True, "rng_restored": True, "optimizer_loaded": True}
+        assert window or r["reload"] == {"weights_back": True, "rng_restored": True, "optimizer_loaded": True}
+    if window:  # the reference itself: each sequence alone through HF, windowed (sequences up to 12 tokens)
+        assert max(len(s.token_ids) for s in seqs) > WINDOW + 4
+        hf = hf_model(model_dir)
+        assert hf.config.sliding_window == WINDOW
+        with torch.no_grad():
+            for i, s in enumerate(seqs):
+                ref = hf(torch.tensor([s.token_ids])).logits[0].float()
+                torch.testing.assert_close(base["logits"][i][:, :ref.shape[-1]], ref, rtol=1e-4, atol=2e-5,
+                                           msg=lambda m: f"HF logits of sequence {i}: {m}")
     for name in CASES:
         for r in got[name]:
             assert r["ok"]

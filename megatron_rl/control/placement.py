@@ -164,8 +164,7 @@ def check_run(cfg: Config, shapes, memory, *, gpu_memory_gb: float,
                       f"{shapes.kv_heads} KV heads")
     if shapes.experts:
         causes += moe_layout_problems(shapes.experts, shapes.shared_ffn, tp=t.tensor_parallel, ep=t.expert_parallel,
-                                      sequence_parallel=t.sequence_parallel,
-                                      aux_loss_coef=t.moe_aux_loss_coef, full_recompute=t.recompute == "full")
+                                      sequence_parallel=t.sequence_parallel)
     # A sequence longer than the bin cannot be packed: the trainer would stop at its first such rollout.
     longest = max_prompt_tokens + longest_generation(cfg)
     if t.micro_batch_tokens < longest:

@@ -248,8 +248,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
     use_te = te_available() if use_te is None else use_te
     kernels = megatron_kernel_options(use_te=use_te, interleaved=layout.interleaved)
-    full_recompute = recompute is not None and recompute.granularity == "full"
-    moe_kwargs = moe_config_kwargs(dims.moe, layout, use_te, router_aux_loss, full_recompute) if dims.moe else {}
+    moe_kwargs = moe_config_kwargs(dims.moe, layout, use_te, router_aux_loss) if dims.moe else {}
     if dims.rope.kind == "yarn":  # TE's fused THD RoPE drops YaRN's mscale (Megatron only warns on BSHD)
         kernels["apply_rope_fusion"] = False
     config = TransformerConfig(

@@ -3,7 +3,7 @@
 - `moe_dims(hf_config) -> MoeDims | None`: the router/expert shapes of an MoE HF config (None for
   dense families); unsupported variants raise `UnsupportedModelError`.
 - `moe_layout_problems(...)`: why a parallel layout cannot train an MoE model (also for `megatron-rl plan`).
-- `moe_config_kwargs(moe, layout, use_te, router_aux_loss, full_recompute)`: the TransformerConfig fields.
+- `moe_config_kwargs(moe, layout, use_te, router_aux_loss)`: the TransformerConfig fields.
 - `reduce_expert_grads_over_expert_dp(chunk)`: marks the routed experts so DDP and the optimizer reduce
   their grads over the expert-data-parallel group (build_model calls it before DDP wraps the chunk).
 - `router_padding(chunk, mb, forward_kwargs)`: context giving the forward kwargs that keep a packed
@@ -70,7 +70,7 @@ def moe_dims(hf_config) -> MoeDims | None:
 
 
 def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int,
-                        sequence_parallel: bool, aux_loss_coef: float, full_recompute: bool) -> list[str]:
+                        sequence_parallel: bool) -> list[str]:
     """Why an MoE model cannot train in this layout, one line per cause naming its config key (empty: it
     can). Shared by the model build and `megatron-rl plan`, so a refused layout is refused before launch."""
     problems = []
@@ -82,18 +82,12 @@ def moe_layout_problems(experts: int, shared_ffn_size: int, *, tp: int, ep: int,
     if tp > 1 and not sequence_parallel:
         problems.append("MoE with trainer.tensor_parallel > 1 needs trainer.sequence_parallel: true "
                         "(Megatron's MoE layer refuses to train without it)")
-    if aux_loss_coef > 0 and ep > 1 and full_recompute:
-        # EP adds all-padding bins, whose aux loss router_padding turns off for the forward only
-        problems.append("trainer.recompute: full is not supported with trainer.expert_parallel > 1 and "
-                        "trainer.moe_aux_loss_coef > 0 (use selective)")
     return problems
 
 
-def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0,
-                      full_recompute: bool = False) -> dict:
+def moe_config_kwargs(moe: MoeDims, layout, use_te: bool, router_aux_loss: float = 0.0) -> dict:
     problems = moe_layout_problems(moe.num_experts, moe.shared_ffn_size, tp=layout.tp, ep=layout.ep,
-                                   sequence_parallel=layout.sequence_parallel,
-                                   aux_loss_coef=router_aux_loss, full_recompute=full_recompute)
+                                   sequence_parallel=layout.sequence_parallel)
     if problems:
         raise ValueError(problems[0])
     return dict(
@@ -115,9 +109,12 @@ def router_padding(chunk, mb, forward_kwargs: dict):
     a mask Megatron counts those tokens in f_i and P_i. `mb.pad_mask` (`[1, T]`, True = pad) goes to
     Megatron as `padding_mask`; GPTModel splits it for sequence parallel on the first pipeline stage only,
     so later stages get this rank's SP slice here. An all-pad bin runs with the aux loss off (with the mask
-    Megatron would divide by its zero token count); the coefficient is restored after the forward, which
-    is why full recompute (a re-run forward in backward) refuses that combination (moe_layout_problems).
-    Dense chunks and aux-loss-free MoE get `forward_kwargs` unchanged (routing itself ignores the mask)."""
+    Megatron would divide by its zero token count, without it it would count the padding) in its forward
+    and in its backward: full recompute re-runs the forward inside the backward, and that re-run is where
+    Megatron attaches the aux loss (the first, checkpointed forward runs without grad), so the coefficient
+    stays 0 from the moment the backward reaches this chunk's output until that backward pass ends
+    (`_aux_loss_off_in_backward`). Dense chunks and aux-loss-free MoE get `forward_kwargs` unchanged
+    (routing itself ignores the mask)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     config = get_attr_wrapped_model(chunk, "config")
@@ -127,9 +124,11 @@ def router_padding(chunk, mb, forward_kwargs: dict):
         return
     if not mb.seq_indices:
         config.moe_aux_loss_coeff = 0.0
+        hook = chunk.register_forward_hook(lambda _module, _args, output: _aux_loss_off_in_backward(output, config))
         try:
             yield forward_kwargs
         finally:
+            hook.remove()
             config.moe_aux_loss_coeff = coeff
         return
     pad_mask = mb.pad_mask
@@ -139,6 +138,32 @@ def router_padding(chunk, mb, forward_kwargs: dict):
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         pad_mask = pad_mask.chunk(tp, dim=1)[rank]
     yield {**forward_kwargs, "padding_mask": pad_mask.contiguous()}
+
+
+def _aux_loss_off_in_backward(output, config) -> None:
+    """Keep `config.moe_aux_loss_coeff` at 0 during the backward pass that starts at `output` (an all-pad
+    bin's chunk output), restoring it when that pass ends.
+
+    Why here: the pipeline schedules run one `torch.autograd.backward` per micro-batch (and chunk), after
+    other micro-batches' forwards under 1F1B, so no context around the forward can cover a recompute. The
+    grad hook of the chunk's output runs before any layer of this chunk is re-run; the engine callback runs
+    once the whole pass is done. Forward passes (router_padding) and backward passes never overlap."""
+    import torch
+
+    if not (isinstance(output, torch.Tensor) and output.requires_grad):
+        return  # forward-only pass: no backward, and Megatron adds no aux loss without grad
+
+    def off_until_pass_ends(grad):
+        coeff = config.moe_aux_loss_coeff
+        config.moe_aux_loss_coeff = 0.0
+
+        def restore():
+            config.moe_aux_loss_coeff = coeff
+
+        torch.autograd.Variable._execution_engine.queue_callback(restore)
+        return grad
+
+    output.register_hook(off_until_pass_ends)
 
 
 def reduce_expert_grads_over_expert_dp(chunk) -> None:

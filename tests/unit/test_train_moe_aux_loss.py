@@ -53,19 +53,28 @@ def _run(chunk, mb, *, with_mask: bool = True):
     return losses, [x.reshape(-1, x.shape[-1]) for x in inputs], [r.weight.grad.clone() for r in routers]
 
 
-@pytest.fixture(scope="module")
-def moe_chunk(tp1, tmp_path_factory):
+def _chunk(folder, layout, recompute=None):
     from transformers import AutoConfig
 
     from megatron_rl.train.model import build_model
 
-    folder = make_tiny_moe(tmp_path_factory.mktemp("aux") / "m", family="qwen3_moe", experts=4, topk=2)
-    chunk = build_model(AutoConfig.from_pretrained(folder), tp1, torch.float32, use_te=False,
-                        router_aux_loss=COEF)[0]
+    chunk = build_model(AutoConfig.from_pretrained(folder), layout, torch.float32, use_te=False,
+                        recompute=recompute, router_aux_loss=COEF)[0]
+    return chunk.train()
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    return make_tiny_moe(tmp_path_factory.mktemp("aux") / "m", family="qwen3_moe", experts=4, topk=2)
+
+
+@pytest.fixture(scope="module")
+def moe_chunk(tp1, moe_folder):
+    chunk = _chunk(moe_folder, tp1)
     with torch.no_grad():  # sharp routing, so that pad tokens visibly skew the expert load
         for layer in chunk.decoder.layers:
             layer.mlp.router.weight.mul_(40.0)
-    return chunk.train()
+    return chunk
 
 
 def test_aux_loss_ignores_padding(moe_chunk):
@@ -126,12 +135,34 @@ def test_aux_free_moe_gets_no_padding_mask(tp1, tmp_path):
         assert kw == {"x": 1}  # coefficient 0: nothing to mask
 
 
-def test_full_recompute_with_ep_and_aux_loss_is_refused():
+def test_all_padding_bin_adds_no_aux_loss_under_full_recompute(tp1, moe_folder, moe_chunk):
+    """Full recompute re-runs each layer in the backward, and that re-run (grad on) is where Megatron adds
+    the aux loss; the all-pad bin keeps the coefficient at 0 through it (before, the restored coefficient
+    gave the pad tokens an aux loss: nonzero router grads), and a real bin still gets the aux loss of the
+    plain step."""
+    from megatron_rl.train.model import Recompute
+
+    full = _chunk(moe_folder, tp1, Recompute("full"))
+    assert full.config.recompute_granularity == "full"
+    full.load_state_dict(moe_chunk.state_dict())
+    bins = pack_sequences(_seqs(), capacity=64, pad_to_common=True, min_bins=2).micro_batches
+    loss, _, grads = _run(full, bins[1])
+    assert torch.equal(loss, torch.zeros_like(loss)) and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    assert full.config.moe_aux_loss_coeff == COEF  # back after the backward pass
+    loss_full, _, grads_full = _run(full, bins[0])
+    loss_plain, _, grads_plain = _run(moe_chunk, bins[0])
+    assert bool((loss_full > 0).all())
+    torch.testing.assert_close(loss_full, loss_plain, rtol=1e-5, atol=0)
+    for g_full, g_plain in zip(grads_full, grads_plain):
+        torch.testing.assert_close(g_full, g_plain, rtol=1e-5, atol=1e-8)
+
+
+def test_full_recompute_with_ep_and_aux_loss_is_accepted():
     from transformers import AutoConfig
 
     from megatron_rl.train.model import Recompute, model_dims, transformer_config
     from megatron_rl.train.parallel import ParallelLayout
 
-    with pytest.raises(ValueError, match="trainer.recompute: full .* trainer.expert_parallel"):
-        transformer_config(model_dims(AutoConfig.for_model("qwen3_moe")), ParallelLayout(dp=2, ep=2),
-                           recompute=Recompute("full"), router_aux_loss=0.01)
+    config = transformer_config(model_dims(AutoConfig.for_model("qwen3_moe")), ParallelLayout(dp=2, ep=2),
+                                recompute=Recompute("full"), router_aux_loss=0.01)
+    assert config.recompute_granularity == "full" and config.moe_aux_loss_coeff == 0.01

@@ -18,9 +18,10 @@ Honoured: GQA (enable_gqa), the softmax scale Megatron would use (`config.softma
 YaRN; `apply_query_key_layer_scaling` cancels out in Megatron, so it is ignored here too), fp32/bf16/
 fp16 inputs, TP (heads arrive already split per rank), and sliding windows (`config.window_size` =
 (left, 0) with `window_attn_skip_freq`): key j is visible from query i of the same segment iff
-i - left <= j <= i. Megatron's local module replaces the packing mask with a whole-row window mask
-(leaking across segments), so windows are applied here per segment, exactly. Not supported (raise at
-construction): attention dropout > 0, non-vanilla softmax types.
+i - left <= j <= i (on CPU by `cp_attention.window_causal_attention`'s flash blocks, no [L, L] mask).
+Megatron's local module replaces the packing mask with a whole-row window mask (leaking across
+segments), so windows are applied here per segment, exactly. Not supported (raise at construction):
+attention dropout > 0, non-vanilla softmax types.
 
 One call per packed row on CUDA: with fp16/bf16 inputs, no CP, and torch's
 `torch.nn.attention.varlen.varlen_attn` (flash attention over cu_seqlens, torch >= 2.9), all segments of
@@ -35,8 +36,8 @@ Constructing the module also installs `packed_rope` (Megatron's unfused THD RoPE
 Context parallel (config.context_parallel_size > 1): q/k/v hold this CP rank's load-balanced chunks
 and `cu_seqlens_q` the whole row's boundaries (or, with no mask, each row is one causal sequence
 split the same way); `cp_attention.cp_attention` gathers K/V over the CP group and attends each query
-chunk to its key prefix (causal by global positions, no [queries, keys] mask without a sliding
-window). Explicit [T, T] masks are refused under CP.
+chunk to its key prefix (causal by global positions; no [queries, keys] mask on CPU, sliding window
+included). Explicit [T, T] masks are refused under CP.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ log-sum-exp, which is exact (the softmax of each row is the merged one). A boole
 SDPA instead becomes a float32 copy saved for the backward (chunk queries x keys x 4 bytes per
 segment and layer: 256 MB per rank in benchmarks/context_parallel.py). Other devices use torch's
 `causal_lower_right` bias (their flash / memory-efficient kernels take the alignment; on CPU it would be
-materialised). A sliding window that hides keys keeps the explicit mask.
+materialised). A sliding window that hides keys: on CPU, `window_causal_attention` (flash blocks again,
+each chunk over the keys of its window only); elsewhere an explicit boolean mask.
 
 Cost per rank: K/V of the whole row (the all-gather variant of CP; Transformer Engine's p2p ring on
 GPU never holds them all), and scores for 2*L/(2*CP) queries x up to L keys per segment of length L

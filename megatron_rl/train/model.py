@@ -81,6 +81,9 @@ class ModelDims:
     rope: RopeSpec
     max_position_embeddings: int
     sliding_window: int | None = None
+    # per layer, 1 = sliding window, 0 = full attention (Qwen2's max_window_layers / HF `layer_types`);
+    # None: every layer has the window (when there is one)
+    window_layers: tuple[int, ...] | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE (Megatron's qk_layernorm)
     moe: MoeDims | None = None  # MoE families: every layer's MLP is routed experts (ffn_size: per expert)
 
@@ -190,6 +193,9 @@ def model_dims(hf_config, tp: int = 1) -> ModelDims:
     sliding = getattr(hf_config, "sliding_window", None)
     if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
         sliding = None
+    window_layers = _window_layers(hf_config) if sliding else None
+    if window_layers is not None and not any(window_layers):
+        sliding, window_layers = None, None
     moe = moe_dims(hf_config)
     ffn = moe.expert_ffn_size if moe else hf_config.intermediate_size
     if getattr(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
@@ -203,7 +209,23 @@ def model_dims(hf_config, tp: int = 1) -> ModelDims:
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         norm_eps=float(hf_config.rms_norm_eps), rope=_rope_spec(hf_config),
         max_position_embeddings=int(hf_config.max_position_embeddings),
-        sliding_window=int(sliding) if sliding else None, qk_norm=model_type in ("qwen3", "qwen3_moe"), moe=moe)
+        sliding_window=int(sliding) if sliding else None, window_layers=window_layers,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), moe=moe)
+
+
+def _window_layers(hf_config) -> tuple[int, ...] | None:
+    """Which layers have the sliding window, read off HF's `layer_types` (Qwen2 fills it from
+    max_window_layers: layers >= it slide); None when every layer has it or the config says nothing."""
+    types = getattr(hf_config, "layer_types", None)
+    if not types:
+        return None
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != hf_config.num_hidden_layers:
+        raise UnsupportedModelError(f"layer_types={list(types)}: only sliding_attention / full_attention, "
+                                    "one per layer")
+    if all(t == "sliding_attention" for t in types):
+        return None
+    return tuple(int(t == "sliding_attention") for t in types)
 
 
 def te_available() -> bool:
@@ -260,6 +282,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         hidden_dropout=0.0, attention_dropout=0.0, softmax_scale=softmax_scale,
         attention_softmax_in_fp32=True,
         window_size=(dims.sliding_window - 1, 0) if dims.sliding_window else None,
+        window_attn_skip_freq=list(dims.window_layers) if dims.window_layers else None,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         sequence_parallel=layout.sequence_parallel, context_parallel_size=layout.cp,
         # TE's CP attention: K/V chunks passed round the CP ring (the local spec gathers them instead)

@@ -22,8 +22,9 @@ MoE (Qwen3-MoE, Mixtral; `Shapes.experts` > 0): the expert weights are split ove
 (`trainer.expert_parallel`) and not over TP (expert TP = 1, as train/moe.py builds them), their Adam
 state over the expert-data-parallel ranks TP x CP x DP / EP; the dense part (attention, router, norms,
 embeddings) as above. Expert activations per token: top-k routed copies of the SwiGLU terms (3 f_e)
-and of the permuted input/output (2h), token shards as the rest of the layer; an estimate, not checked
-against a measured MoE peak. Training FLOPs count the active parameters (top-k experts).
+and of the permuted input/output (2h), token shards as the rest of the layer (`activation_memory`);
+checked against the measured CPU peak of a tiny Mixtral (tests/e2e/test_step_memory_estimate_moe.py).
+Training FLOPs count the active parameters (top-k experts).
 Generator GPU (one SGLang replica over `generator.tp_size` GPUs): bf16 weights / tp_size + KV cache
 (`generator.max_total_tokens` x layers x 2 x kv_heads_per_gpu x head_dim x 2 B) + a fixed runtime
 overhead. Throughput: decode is memory-bound (each step reads the weight shard and the live KV
@@ -167,6 +168,15 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
       keeps SDPA's own output apart from the projection's reshaped copy (+q) and RoPE's cos/sin
       (4 head_dim);
     - SwiGLU: the FC1 output 2f and the FC2 input f; unfused, silu(gate) and one more f (5f).
+    - MoE (`shapes.experts` > 0, f_e = the expert width, k = top-k; experts whole, expert TP 1): the dense
+      MLP term goes and each token's k routed copies keep their expert's SwiGLU terms (3 f_e fused,
+      5 f_e local) plus the permuted copy (the experts' input) and the expert output that the
+      probability-weighted un-permute keeps (2h), token shards like the rest of the layer:
+      + k (5 f_e + 2h)/d local, k (3 f_e + 2h)/d fused, - 5f/t or 3f/t. The router's fp32 logits and
+      probabilities (a few x E per token) are left out: E is small next to k f_e (2 % of the term at
+      Qwen3-30B-A3B's E 128, k 8, f_e 768). Checked on CPU (tests/e2e/test_step_memory_estimate_moe.py):
+      +2 % without recompute; with full recompute the measured peak is a third below (the re-run MoE
+      layer's activations are not all alive at once), so there the formula is an upper bound.
     - context parallel (`tokens` is one CP rank's share, CP = context_parallel): the fused profile is
       TE's ring attention, counted as above. The local spec's CP attention (train/cp_attention.py)
       keeps the K/V it all-gathered, the whole row's (2 kv x CP per local token), and neither the QKV

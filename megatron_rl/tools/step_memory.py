@@ -3,7 +3,8 @@
     measure(spec) -> {"growth_bytes", "tokens_per_s", "tokens", "n_micro_batches", ...}
     python -m megatron_rl.tools.step_memory SPEC.json   # the child: prints one JSON line
 
-`spec`: {"model": HF LlamaConfig keyword arguments (random weights, nothing read from disk),
+`spec`: {"model": HF config keyword arguments (random weights, nothing read from disk), "model_type": its
+family (default "llama"; e.g. "mixtral" for an MoE),
 "trainer": trainer config keys, "seq_lengths": [...], "prompt_len": int, "repeats": int, "seed": int,
 "nproc": int (default 1)}. With nproc > 1 the child runs on that many gloo ranks (torchrun, each rank
 `platform.threads_per_rank(nproc)` threads, e.g. `context_parallel: 2` with nproc 2); each rank measures its own
@@ -75,7 +76,7 @@ def _sequences(spec: dict, vocab: int):
 def child(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
     from megatron_rl.config import config_from_dict
     from megatron_rl.platform import memory
@@ -83,7 +84,7 @@ def child(spec: dict) -> dict:
     from megatron_rl.train.trainer import Trainer
 
     torch.manual_seed(int(spec.get("seed", 0)))
-    hf_config = LlamaConfig(**spec["model"])
+    hf_config = AutoConfig.for_model(spec.get("model_type", "llama"), **spec["model"])
     config = config_from_dict({"trainer": {"model": "random", **spec["trainer"]}})
     trainer = Trainer(config, hf_config=hf_config, load_weights=False)
     seqs = _sequences(spec, hf_config.vocab_size)

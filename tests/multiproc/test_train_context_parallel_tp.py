@@ -1,4 +1,6 @@
-"""Context parallel with tensor parallel: TP=2 x CP=2 (4 gloo processes) equals one process (TP=CP=1)
+"""Context parallel with tensor parallel: TP=2 x CP=2 (4 gloo processes), with and without sequence parallel
+(SP: the activations between the attention and MLP blocks split over TP along the sequence, on top of
+CP's split), each equals one process (TP=CP=1)
 in per-sequence logits (vocab shards gathered over TP), trainer logprobs, the RL step's loss and
 metrics and every gradient (HF-named, TP-gathered by `hf_weights.export_hf_tensors`), on the packed
 bins of several uneven sequences of tests/multiproc/test_train_context_parallel.py (a 3-token one
@@ -19,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-LAYOUTS = {"single": (1, {}), "tp2cp2": (4, {"tensor_parallel": 2, "context_parallel": 2})}
+LAYOUTS = {"single": (1, {}), "tp2cp2": (4, {"tensor_parallel": 2, "context_parallel": 2}),
+           "tp2cp2sp": (4, {"tensor_parallel": 2, "context_parallel": 2, "sequence_parallel": True})}
 METRICS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
            "logprob_mean", "n_loss_tokens", "tokens", "n_sequences")
 
@@ -50,7 +53,8 @@ def worker(root: Path, name: str) -> None:
     trainer.optimizer.zero_grad()
     out = forward_backward(trainer.model, prepared, trainer.ctx)
     grads = {k: g.float().cpu() for k, g in export_hf_tensors(trainer.model_chunks, grads=True)}
-    layout = (chunk.config.tensor_model_parallel_size, chunk.config.context_parallel_size)
+    layout = (chunk.config.tensor_model_parallel_size, chunk.config.context_parallel_size,
+              chunk.config.sequence_parallel)
     if dist.get_rank() == 0:
         torch.save({"logits": logits, "logprobs": logprobs, "metrics": out.metrics, "grads": grads,
                     "layout": layout, "n_seqs": [len(mb.seq_indices) for mb in mbs]}, root / f"{name}.pt")
@@ -58,6 +62,7 @@ def worker(root: Path, name: str) -> None:
     print("WORKER OK", flush=True)
 
 
+@pytest.mark.timeout(1800)  # three launches (1 + 4 + 4 processes): 16 min on 2 cores shared with an experiment
 def test_tp2_cp2_equals_one_process(tiny_llama_dir, tmp_path):
     from multiproc.test_train_context_parallel import _minibatch
     from support.torchrun import run_ranks
@@ -69,21 +74,27 @@ def test_tp2_cp2_equals_one_process(tiny_llama_dir, tmp_path):
          "seqs": [dataclasses.asdict(s) for s in seqs]}))
     for name, (nproc, _) in LAYOUTS.items():
         run_ranks(nproc, __file__, tmp_path, name, env={"CUDA_VISIBLE_DEVICES": ""})
-    base, got = (torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in LAYOUTS)
-    assert base["layout"] == (1, 1) and got["layout"] == (2, 2)
+    base, *others = (torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in LAYOUTS)
+    assert base["layout"] == (1, 1, False) and [r["layout"] for r in others] == [(2, 2, False), (2, 2, True)]
+    for got in others:
+        _assert_equal(got, base, seqs)
+
+
+def _assert_equal(got: dict, base: dict, seqs) -> None:
+    sp = got["layout"][2]
     assert max(got["n_seqs"]) >= 3  # bins of several sequences
     assert sorted(got["logits"]) == sorted(base["logits"]) == list(range(len(seqs)))
     for i, s in enumerate(seqs):
         torch.testing.assert_close(got["logits"][i], base["logits"][i], rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"logits of sequence {i}: {m}")
+                                   msg=lambda m: f"SP={sp} logits of sequence {i}: {m}")
         span = slice(s.prompt_len - 1, len(s.token_ids) - 1)
         torch.testing.assert_close(got["logprobs"][i][span], base["logprobs"][i][span], rtol=1e-4, atol=1e-5)
     for key in METRICS:
-        assert got["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-5), key
+        assert got["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-5), (sp, key)
     assert sorted(got["grads"]) == sorted(base["grads"])
     for hf_name, g in got["grads"].items():
         torch.testing.assert_close(g, base["grads"][hf_name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"grad {hf_name}: {m}")
+                                   msg=lambda m: f"SP={sp} grad {hf_name}: {m}")
     assert float(base["grads"]["model.layers.0.self_attn.k_proj.weight"].abs().max()) > 1e-6
 
 

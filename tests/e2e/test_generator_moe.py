@@ -4,8 +4,9 @@ trainer's weight push of expert weights, checked against HF transformers.
 SGLang 0.5.23 serves MoE on CPU without the real sgl_kernel: on a CPU without AMX, FusedMoE's
 `UnquantizedFusedMoEMethod.forward_cpu` runs `fused_moe_native.moe_forward_native` (a torch loop
 over experts) and top-k routing is plain torch. The pushed tensors are what the Megatron trainer
-exports (`export_hf_tensors`, EP=1) after its weights were changed; SGLang's Qwen3-MoE
-`load_weights` packs each expert's gate/up/down into the fused `experts.w13_weight` /
+exports (`export_hf_tensors`, EP=1) after its weights were changed, and what two torchrun trainer
+ranks at EP=2 push through the trainer's own `TrainerPush` (each holding two of the experts); SGLang's
+Qwen3-MoE `load_weights` packs each expert's gate/up/down into the fused `experts.w13_weight` /
 `experts.w2_weight`. The reference is an HF model holding exactly the pushed tensors: greedy tokens
 must be equal, logprobs within float tolerance (as for the dense model, tests/e2e/test_generator.py).
 Not Qwen2-MoE: SGLang gates its shared expert with a Triton-only kernel on CPU (docs/rollout.md).
@@ -15,9 +16,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+if __name__ == "__main__":  # a torchrun rank of the EP=2 test (`ep2_trainer_rank` below): tests/ on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rl.sync.sender import WeightSender
 from megatron_rl.sync.update import push_in_process, target_of
@@ -44,7 +50,9 @@ def moe_dir(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gen(moe_dir, tmp_path_factory):
-    with running_generator(moe_dir, tmp_path_factory.mktemp("sglang_moe"), max_total_tokens=2048, threads=1) as g:
+    # startup measured at 6-10 min while other jobs load the 2-core box: wait up to pytest's 900 s timeout
+    with running_generator(moe_dir, tmp_path_factory.mktemp("sglang_moe"), max_total_tokens=2048, threads=1,
+                           startup_timeout_s=840) as g:
         yield g
 
 
@@ -132,3 +140,68 @@ def test_pushed_trainer_experts_are_served(gen, moe_dir, trainer_tensors, tmp_pa
         assert_matches_hf(gen, swapped_hf, 2)
     finally:
         sender.close()
+
+
+@pytest.mark.timeout(1800)  # run alone it also pays the server's startup (>10 min on a loaded 2-core box)
+def test_ep2_trainer_ranks_push_every_expert(gen, moe_dir, tmp_path):
+    """Two trainer ranks at DP=2 x EP=2 (gloo, torchrun) each hold two of the four experts of a changed
+    checkpoint and push it as the trainer does (`TrainerPush`): the experts are gathered over EP and
+    one rank sends them all under their global names. The reference is HF loaded from that checkpoint's
+    own file (no Megatron layout or expert numbering of ours in it)."""
+    from safetensors.torch import load_file
+
+    from support.torchrun import run_two_ranks
+
+    disk = {k: v for f in moe_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    g = torch.Generator().manual_seed(11)
+    # every weight moved; a sharper output layer (no greedy near-ties)
+    changed = [(n, (t * 6.0 if n == "lm_head.weight" else t)
+                + (0.5 * t.std() + 0.05) * torch.randn(t.shape, generator=g)) for n, t in disk.items()]
+    reference = hf_with(moe_dir, changed, tmp_path / "changed")
+    # the comparison sees a wrong EP offset: rank 0's experts (0, 1) exchanged with rank 1's (2, 3) change the output
+    offset = changed
+    for layer in (0, 1):
+        offset = swapped_experts(swapped_experts(offset, layer, 0, 2), layer, 1, 3)
+    assert_outputs_differ(reference, hf_with(moe_dir, offset, tmp_path / "offset"))
+    version = 3
+    gen.begin_update()
+    run_two_ranks(__file__, tmp_path / "changed", gen.server.url, gen.server.spec.tp_size, gen.incarnation,
+                  version, tmp_path / "report.json", timeout=600)
+    gen.finish_update(version)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["local_experts"] == [EXPERTS // 2] * 2 and report["senders"] == [True, False]
+    assert report["push"]["tensors"] == len(disk)  # every name, each expert once, sent by one rank
+    assert_matches_hf(gen, reference, version)
+
+
+def ep2_trainer_rank(model_dir: str, url: str, tp_size: str, incarnation: str, version: str, report_path: str) -> None:
+    """One torchrun rank: Megatron at DP=2 x EP=2 loads `model_dir` and pushes it to the server at `url`."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from megatron_rl.sync.sender import SyncTarget
+    from megatron_rl.sync.trainer_push import TrainerPush
+    from megatron_rl.train.hf_weights import load_hf_weights
+    from megatron_rl.train.model import build_model
+    from megatron_rl.train.parallel import ParallelLayout, destroy_parallel, init_parallel
+
+    layout = init_parallel(ParallelLayout(dp=2, ep=2), backend="gloo")
+    chunks = build_model(AutoConfig.from_pretrained(model_dir), layout, torch.float32, use_te=False)
+    load_hf_weights(chunks, model_dir)
+    push = TrainerPush(chunks, bucket_mb=0.05, node_addr="127.0.0.1")
+    try:
+        report = push.push(int(version), [SyncTarget(url, int(tp_size), int(incarnation))])
+    finally:
+        push.close()
+    mine = (chunks[0].decoder.layers[0].mlp.experts.num_local_experts, push.is_sender)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if dist.get_rank() == 0:
+        Path(report_path).write_text(json.dumps({"push": report, "local_experts": [r[0] for r in ranks],
+                                                 "senders": [r[1] for r in ranks]}))
+    destroy_parallel(destroy_process_group=True)
+    print("WORKER OK", flush=True)
+
+
+if __name__ == "__main__":
+    ep2_trainer_rank(*sys.argv[1:])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -147,7 +148,7 @@ def measure(spec: dict, timeout: float = 900) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or len(lines) != nproc:
         raise RuntimeError(f"step_memory child failed (exit {proc.returncode}, {len(lines)} of {nproc} "
-                           f"ranks reported): {stderr[-3000:]}")
+                           f"ranks reported): stdout {stdout[-1000:]!r}; stderr {stderr[-3000:]}")
     ranks = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
     if nproc == 1:
         return ranks[0]
@@ -157,4 +158,6 @@ def measure(spec: dict, timeout: float = 900) -> dict:
 
 if __name__ == "__main__":
     result = child(json.loads(sys.argv[1]))
-    print(json.dumps(result), flush=True)
+    # one write(2) per rank: the ranks share the pipe, and print() writes the text and its newline
+    # separately when PYTHONUNBUFFERED is set, so two ranks' lines could interleave into one
+    os.write(sys.stdout.fileno(), (json.dumps(result) + "\n").encode())

@@ -269,6 +269,12 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
     if dims.rope.kind == "yarn" and dims.rope.mscale != 1.0 and not _megatron_applies_yarn_mscale():
         softmax_scale = dims.rope.mscale ** 2 / math.sqrt(dims.head_dim)
     use_te = te_available() if use_te is None else use_te
+    if use_te and layout.cp > 1 and dims.sliding_window:
+        # TE asserts at the first step: its CP attention takes windows only with cp_comm_type a2a or
+        # all_gather (no THD), not the p2p ring that packed bins need; refused before launch instead
+        raise ValueError(f"trainer.context_parallel={layout.cp} with a sliding-window model "
+                         f"(window {dims.sliding_window}) is not supported by Transformer Engine's CP "
+                         "attention: use trainer.context_parallel: 1 on GPU")
     kernels = megatron_kernel_options(use_te=use_te, interleaved=layout.interleaved)
     moe_kwargs = moe_config_kwargs(dims.moe, layout, use_te, router_aux_loss) if dims.moe else {}
     if dims.rope.kind == "yarn":  # TE's fused THD RoPE drops YaRN's mscale (Megatron only warns on BSHD)

@@ -25,6 +25,19 @@ def test_window_layers_follow_hf_layer_types(max_window_layers, expected):
     assert (dims.sliding_window, dims.window_layers) == expected
 
 
+def test_te_context_parallel_with_a_window_is_refused_at_build():
+    """TE's CP attention asserts on windows with the p2p ring at the first step; the build says so first,
+    naming the key, and leaves the local spec (CPU CP path) and window-free models alone."""
+    from megatron_rl.train.model import model_dims, transformer_config
+    from megatron_rl.train.parallel import ParallelLayout
+
+    windowed, full = model_dims(_qwen2_config(0)), model_dims(_qwen2_config(2))
+    with pytest.raises(ValueError, match="trainer.context_parallel=2 with a sliding-window model"):
+        transformer_config(windowed, ParallelLayout(cp=2), use_te=True)
+    assert transformer_config(windowed, ParallelLayout(cp=2), use_te=False).window_size == (WINDOW - 1, 0)
+    assert transformer_config(full, ParallelLayout(cp=2), use_te=True).context_parallel_size == 2
+
+
 def test_unknown_layer_type_is_refused():
     from megatron_rl.train.model import UnsupportedModelError, model_dims
 

@@ -10,11 +10,17 @@ larger part of each layer (k (5 f_e + 2h) = 3584 of 6464 elements per token), so
 the MoE term misses the peak by far more than the tolerance (asserted).
 
 Tolerance: recompute none 20 %, as for dense models (one layer's transient backward gradients, page
-granularity). Full recompute: the formula counts the whole re-run layer alive at once, and for the MoE
-layer that overstates the measured peak by a third (about the experts' share of the layer, 44 of the
-76 MB: not all of the re-run experts' activations are alive at the peak; not traced further), so there
-the estimate is checked as a bound: measured within [-40 %, +20 %] of it. Measured on this machine
-(2 shared cores): none 343.0 MB vs 336.0 MB estimated (+2.1 %), full 80.8 MB vs 120.8 MB (-33.1 %).
+granularity). Full recompute: the estimate overstates the measured peak by a third, and not through the
+MoE term: RSS sampled at each module's hooks shows the re-run MoE layer adding 74.4 MB (75.8 counted)
+and the peak in layer 0's backward, where the logits, their gradient and the final norm's tensors
+(33 MB, summed with the re-run layer by the full-recompute formula) are already freed; the dense model
+makes that up with the MLP's f-wide backward gradients (~16 MB over its re-run layer; the experts' are
+per expert, ~8 MB). Also, Megatron's allgather dispatcher keeps `local_probs` from the re-run, and with
+it the re-run graph (the checkpoint's detached input and its grad, 6 MB per layer here) until the
+layer's next forward, so the measured baseline holds the warm-up's copies (24 MB) that the measured
+step frees. Neither is the MoE term's to model, so here the estimate is checked as a bound: measured
+within [-40 %, +20 %] of it. Measured on this machine (2 shared cores): none 343.0 MB vs 336.0 MB
+estimated (+2.1 %), full 80.8 MB vs 120.8 MB (-33.1 %).
 """
 import dataclasses
 

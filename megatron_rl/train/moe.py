@@ -166,6 +166,21 @@ def _aux_loss_off_in_backward(output, config) -> None:
     output.register_hook(off_until_pass_ends)
 
 
+def release_dispatch_state(model: list) -> None:
+    """Drop the routing probabilities Megatron's token dispatchers keep on themselves (`local_probs`,
+    `probs`, ...) once a training pass is over. They still carry the pass's autograd graph: under full
+    recompute that holds each MoE layer's re-run input and its gradient (2 hidden vectors per token per
+    layer) until the next forward reaches the layer, i.e. through the next minibatch's forward."""
+    import torch
+
+    for chunk in model:
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            for name in ("local_probs", "probs", "token_probs", "dispatched_probs"):
+                if isinstance(getattr(dispatcher, name, None), torch.Tensor):
+                    setattr(dispatcher, name, None)
+
+
 def reduce_expert_grads_over_expert_dp(chunk) -> None:
     """Mark every routed-expert parameter of `chunk` expert-parallel (`allreduce = False`), so that DDP and
     the optimizer reduce (and shard) its gradient over Megatron's expert-data-parallel group.

@@ -23,8 +23,7 @@ policy of the KL) run the same packed micro-batches forward-only and are stored 
 orchestrates those passes per update); with `algo.kl_mode: k2` the fused loss adds the sequence-level
 k2 term with weight kl_coef * n_tokens / n_sequences of the minibatch, so that after Megatron's division
 by the token count it is kl_coef times the minibatch mean of 1/2 (log pi(y) - log ref(y))^2.
-The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens only, through the
-chunked `train.logprobs.token_logprobs`).
+The same machinery runs SFT (`objective="sft"`: cross-entropy on completion tokens, `train.logprobs.token_logprobs`).
 Metrics are reduced over micro-batches and DP x CP ranks and broadcast from the last pipeline stage,
 so every rank returns the same numbers.
 Context parallel: each CP rank keeps its chunks of the same bins (packing.py); counts and grads sum over DP x CP.
@@ -55,6 +54,7 @@ from megatron_rl.algo.loss import clipped_token_loss_with_stats, entropy_bonus_t
 from megatron_rl.config import AlgoConfig, TrainerConfig
 from megatron_rl.records import TrainSequence
 from megatron_rl.ops import SequenceKL, fused_clipped_loss
+from megatron_rl.train import moe
 from megatron_rl.train.device import model_device
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, pack_sequences, split_balanced
@@ -110,7 +110,7 @@ def _pad_multiple(chunk_config) -> int:
 
 
 def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
-    from megatron_rl.train import attention, moe
+    from megatron_rl.train import attention
 
     # bf16 chunks: bf16 logits (no float32 [tokens, vocab] copy by Float16Module); losses sum in float32
     kw = {"fp32_output": False} if getattr(model_chunk, "mrl_half_precision", False) else {}
@@ -361,11 +361,11 @@ def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMiniba
         for chunk in model:
             chunk.zero_grad_buffer()
     stores = _schedule(model, prepared, partial(_forward_step, ctx, objective), forward_only)
+    moe.release_dispatch_state(model)
     device = model_device(model)
     metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx, device)
     real, packed_tok = dp_sum_ints([packed.stats.real_tokens, packed.stats.packed_tokens], device)
-    # naive baseline: every sequence of the minibatch padded to its longest one
-    naive = len(seqs) * max(len(s.token_ids) for s in seqs)
+    naive = len(seqs) * max(len(s.token_ids) for s in seqs)  # baseline: every sequence padded to the longest
     n_mbs = len(packed.micro_batches)
     metrics.update({
         "tokens": float(real), "padding_fraction": 1.0 - real / packed_tok,

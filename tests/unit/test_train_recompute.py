@@ -73,3 +73,32 @@ def test_recompute_keys_are_checked():
         config_from_dict({"trainer": {"recompute": "full", "recompute_num_layers": 0}})
     with pytest.raises(ConfigError, match="trainer.sequence_parallel: needs tensor_parallel > 1"):
         config_from_dict({"trainer": {"sequence_parallel": True}})
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_finished_moe_step_keeps_no_autograd_graph(tmp_path, monkeypatch, recompute):
+    """Megatron's token dispatcher keeps the routing probabilities of the last pass on itself; with their
+    autograd graph (under full recompute: each layer's re-run input and its gradient) they would stay
+    alive until the next forward. After forward_backward no tensor of a graph may be left."""
+    import gc
+
+    from megatron_rl.train.step import forward_backward
+    from megatron_rl.train.trainer import Trainer
+    from support.train_models import make_tiny_moe
+
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # a process-wide scale Megatron sets once and then copies into: an earlier test's step may have left
+    # a 0-d one, where this trainer's schedule passes a [1]-shaped one
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    folder = make_tiny_moe(tmp_path / "moe", family="qwen3_moe", experts=4, topk=2)
+    def graph_tensors() -> list[torch.Tensor]:
+        gc.collect()
+        return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+    trainer = Trainer(make_config(folder, recompute=recompute))
+    seqs = make_minibatch(hf_model(folder))
+    before = {id(t) for t in graph_tensors()}  # the model's own parameter views (SliceBackward)
+    forward_backward(trainer.model, seqs, trainer.ctx)
+    left = [t for t in graph_tensors() if id(t) not in before]
+    assert left == [], [(tuple(t.shape), type(t.grad_fn).__name__) for t in left]

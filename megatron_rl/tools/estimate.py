@@ -175,14 +175,11 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
       + k (5 f_e + 2h)/d local, k (3 f_e + 2h)/d fused, - 5f/t or 3f/t. The router's fp32 logits and
       probabilities (a few x E per token) are left out: E is small next to k f_e (2 % of the term at
       Qwen3-30B-A3B's E 128, k 8, f_e 768). Checked on CPU (tests/e2e/test_step_memory_estimate_moe.py):
-      +2 % without recompute. With full recompute the measured peak is a third below, though the re-run
-      MoE layer keeps what this term counts (74.4 MB re-run vs 75.8 counted): the gap is not the MoE
-      term but the full-recompute sum below (logits, final norm and all layer inputs plus the re-run
-      layer, while at the peak, a layer's backward, the first two are freed; the dense MLP's f-wide
-      backward gradients, not counted, fill that gap, the experts' per-expert ones less) and Megatron's
-      allgather dispatcher, whose `local_probs` keeps the re-run graph (the checkpoint's input and its
-      grad, 2h per token) alive until the layer's next forward, inside the measured baseline. So for
-      MoE under full recompute the formula is an upper bound.
+      +2 % without recompute, -13 % with full recompute. There the MoE term matches the re-run layer
+      (74.4 MB re-run vs 75.8 counted); the full-recompute sum below overstates the peak a little (it adds
+      the logits and final norm to all layer inputs plus the re-run layer, but the peak is in a layer's
+      backward, after those are freed; the dense MLP's uncounted f-wide backward gradients fill that gap,
+      the experts' per-expert ones less).
     - context parallel (`tokens` is one CP rank's share, CP = context_parallel): the fused profile is
       TE's ring attention, counted as above. The local spec's CP attention (train/cp_attention.py)
       keeps the K/V it all-gathered, the whole row's (2 kv x CP per local token), and neither the QKV

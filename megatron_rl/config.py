@@ -194,7 +194,7 @@ class GeneratorConfig:
     mem_fraction_static: float | None = None
     # in_place: running sequences keep their KV and continue (Magistral); retract: re-prefill.
     update_mode: Literal["in_place", "retract"] = "in_place"
-    # Prefix-cache entries computed by weights older than this many versions are flushed.
+    # A request never reuses a cached prefix computed by weights more than this many versions older (cache salts).
     prefix_cache_max_staleness: int = 0
     bucket_mb: int = 256
     startup_timeout_s: float = 300.0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -175,9 +174,6 @@ class Generator:
             self._out.put(r)
             with self._lock:
                 self._pending.pop(s.rid, None)
-                idle = not self._pending
-            if idle:
-                self.flush_stale_cache()
         except BaseException as e:  # never lose a sample silently: surface the error to get()
             self._out.put(e)
             with self._lock:
@@ -267,10 +263,13 @@ class Generator:
         if parse_version(got) != version:
             raise WeightUpdateError(f"generator {self.generator_id} reports version {got} after update to {version}")
         c.end_weight_update()
-        flushed = c.flush_cache()  # nothing running (retract, or idle in_place) -> empty cache
+        # retract re-prefills the paused sequences under their old cache salt: only a flush keeps them
+        # from reusing KV of the old weights. in_place needs none (new requests carry a new salt) and a
+        # flush would stall the paused generator (SGLang runs gc.collect on CPU, empty_cache on CUDA)
+        flushed = self._update_mode == "retract" and c.flush_cache()
         if self._update_mode == "retract" and not flushed:
             raise WeightUpdateError("radix cache flush refused after a retract pause; KV would not be exact")
-        self.cache.on_update(version, flushed)
+        self.cache.on_update(version)
         self.needs_weight_sync = False
         self._update_mode = None
         c.resume()
@@ -289,16 +288,3 @@ class Generator:
             finally:
                 self._send_gate.set()
 
-    def flush_stale_cache(self, attempts: int = 3) -> bool:
-        """Flush the radix cache if it may hold old-epoch prefixes and nothing runs; True if clean.
-        Called automatically whenever the last pending sample finishes."""
-        for i in range(attempts):
-            if not self.cache.dirty or self._update_mode is not None or self.in_flight:
-                break
-            try:
-                self.cache.on_idle_flush(self.server.client.flush_cache())
-            except (SGLangHTTPError, ServerUnreachable):
-                break
-            if self.cache.dirty:
-                time.sleep(0.05)  # the finished request may still sit in the running batch
-        return not self.cache.dirty

@@ -172,17 +172,39 @@ def test_prefix_cache_not_reused_across_versions(gen, hf):
     gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
     assert gen.get(timeout=120).group_id == "short"
     assert not c.flush_cache()  # what SGLang allows: no flush while a request runs
+    old_salt = gen.cache.salt()
     push_in_process([gen], [(state["senders"][0], named(new))], v)
-    assert gen.cache.dirty  # the flush after the update was refused: salts isolate the epochs
     probe = c.generate({"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True,
                         "cache_salt": gen.cache.salt()})
-    assert probe["meta_info"]["cached_tokens"] == 0
+    assert probe["meta_info"]["cached_tokens"] == 0  # salts isolate the epochs
+    kept = c.generate({"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True,
+                       "cache_salt": old_salt})
+    assert kept["meta_info"]["cached_tokens"] > 0  # in_place does not flush: the old entry is only unreachable
     gen.submit("after", prompt, group_size=1, sampling=GREEDY)
     gen.submit("after2", PROMPTS[0], group_size=1, sampling=GREEDY)
     rs = {r.group_id: r for r in gen.completions(timeout=300)}
     assert rs["after"].completion_ids == hf_greedy(new, prompt, GREEDY["max_new_tokens"])
     assert rs["long"].weight_versions[-1] == v
-    assert gen.flush_stale_cache(attempts=50)  # flushed once idle (SGLang allows it then)
+    state["model"] = new
+
+
+def test_in_place_update_of_an_idle_generator_does_not_flush(gen, hf):
+    """SGLang's flush runs gc.collect (CPU) / empty_cache (CUDA) inside the update's pause, and the
+    cache salt already hides the old epoch: an in_place update leaves the old entries in place."""
+    state = gen._test_state
+    new, v = perturbed(hf, seed=6), next(_versions)
+    c = gen.server.client
+    gen.submit("warm", PROMPTS[1], group_size=1, sampling=GREEDY)
+    list(gen.completions(timeout=120))
+    assert gen.in_flight == 0
+    old_salt = gen.cache.salt()
+    push_in_process([gen], [(state["senders"][0], named(new))], v)
+    kept = c.generate({"input_ids": PROMPTS[1], "sampling_params": GREEDY, "return_logprob": True,
+                       "cache_salt": old_salt})
+    assert kept["meta_info"]["cached_tokens"] >= len(PROMPTS[1]) - 1  # not flushed
+    gen.submit("after", PROMPTS[1], group_size=1, sampling=GREEDY)
+    (after,) = gen.completions(timeout=120)
+    assert after.completion_ids == hf_greedy(new, PROMPTS[1], GREEDY["max_new_tokens"])
     state["model"] = new
 
 
@@ -193,8 +215,12 @@ def test_retract_mode_reprefills_with_new_weights(gen, hf):
                                                             "ignore_eos": True})
     gen.submit("short", PROMPTS[1], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 4})
     assert gen.get(timeout=120).group_id == "short"
+    old_salt = gen.cache.salt()
     push_in_process([gen], [(state["senders"][0], named(new))], v, mode="retract")
-    assert not gen.cache.dirty  # retract leaves nothing running: the cache was flushed
+    probe = gen.server.client.generate({"input_ids": PROMPTS[1], "sampling_params": GREEDY,
+                                        "return_logprob": True, "cache_salt": old_salt})
+    # retract flushed (at most the BOS token may match: the retracted request re-prefills under the old salt)
+    assert probe["meta_info"]["cached_tokens"] <= 1
     long = gen.get(timeout=300)
     k = long.weight_versions.index(v)
     assert 0 < k < 300 and set(long.weight_versions[:k]) == {v_old}

@@ -62,7 +62,7 @@ def test_prefix_epochs_bound_staleness_exactly(s):
     p = PrefixCachePolicy(max_staleness=s)
     salts = {}
     for v in range(12):
-        p.on_update(v, flushed=False)
+        p.on_update(v)
         salts[v] = p.salt()
     for a in range(12):
         for b in range(12):
@@ -72,19 +72,14 @@ def test_prefix_epochs_bound_staleness_exactly(s):
         assert len(set(salts.values())) == 12
 
 
-def test_prefix_policy_dirty_tracking():
+def test_prefix_policy_restart_changes_the_salt():
+    """A restarted server starts empty; the incarnation in the salt keeps a late request of the old
+    incarnation from sharing an epoch with the new one."""
     p = PrefixCachePolicy(max_staleness=0)
-    p.on_update(1, flushed=True)
-    assert not p.dirty
-    p.on_update(2, flushed=False)
-    assert p.dirty
-    p.on_idle_flush(False)
-    assert p.dirty
-    p.on_idle_flush(True)
-    assert not p.dirty
+    p.on_update(2)
     salt = p.salt()
-    p.on_restart(incarnation=2, version=0)
-    assert p.salt() != salt and not p.dirty
+    p.on_restart(incarnation=2, version=2)
+    assert p.salt() != salt and p.version == 2
     with pytest.raises(ValueError):
         PrefixCachePolicy(max_staleness=-1)
 

@@ -169,8 +169,11 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
 
 
 def ramp_start(bucket_bytes: int) -> int:
-    """The first bucket of a pipelined push: 1/16 of the cap, not below 1 MiB (per-bucket overhead)."""
-    return min(bucket_bytes, max(bucket_bytes // 16, 1 << 20))
+    """The first bucket of a pipelined push: 1/16 of the cap, not below 16 MiB. Each bucket costs a
+    round trip into SGLang (HTTP, scheduler, load_weights: 9-15 ms on the CPU benchmark server, the
+    wire time of 20-30 MB at 2 GB/s) while packing 16 MiB takes ~2 ms: a smaller start adds buckets,
+    i.e. pause time, without shortening the unoverlapped part."""
+    return min(bucket_bytes, max(bucket_bytes // 16, 16 << 20))
 
 
 def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

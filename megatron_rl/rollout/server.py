@@ -21,10 +21,15 @@ from megatron_rl.platform import has_cuda, sglang_cpu_env
 from megatron_rl.rollout.client import SGLangClient
 
 HOST = "127.0.0.1"  # the single-host default
+START_ATTEMPTS = 2  # launches of a server that exits during start-up (SGLangServer.start)
 
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message quotes its log tail."""
+
+    def __init__(self, msg: str, exited: bool = False):
+        super().__init__(msg)
+        self.exited = exited  # the process ended during start-up (not a timeout)
 
 
 @dataclass
@@ -105,10 +110,24 @@ class SGLangServer:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "SGLangServer":
+        """Launch and wait until healthy. A server that exits during start-up is launched once more:
+        on a loaded machine SGLang's HTTP front end can fail its own start-up (uvicorn's exit code 3),
+        and one lost generator would end the whole job; a second exit is reported."""
         if self.alive():
             return self
         if self.client.healthy(timeout=1.0):
             raise ServerStartError(f"port {self.spec.port} already serves another SGLang server")
+        for attempt in range(START_ATTEMPTS):
+            try:
+                return self._launch()
+            except ServerStartError as e:
+                if not e.exited or attempt + 1 == START_ATTEMPTS:
+                    raise
+                print(f"SGLang server on port {self.spec.port} exited during start-up; launching it again "
+                      f"(log {self.log_path})", file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> "SGLangServer":
         env = sglang_cpu_env(tp_size=self.spec.tp_size)
         if self.spec.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.spec.threads)
@@ -135,7 +154,8 @@ class SGLangServer:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
                 raise ServerStartError(f"SGLang server on port {self.spec.port} exited (code {code}) "
-                                       f"during startup; log {self.log_path}:\n{_log_tail(self.log_path)}")
+                                       f"during startup; log {self.log_path}:\n{_log_tail(self.log_path)}",
+                                       exited=True)
             if self.client.healthy(timeout=2.0):
                 return
             time.sleep(0.5)

@@ -20,7 +20,7 @@ fitted with peak * c / (c + c_half), the trainer's time per update against its t
 time), run for this layout and for a scaled-out one (--sim-generators generators, --sim-trainers
 data-parallel trainers, lengths --sim-ratio x), and printed next to the measured figures.
 
-    .venv/bin/python benchmarks/async_vs_sync.py            # ~6 minutes on 2 idle cores
+    .venv/bin/python benchmarks/async_vs_sync.py            # ~2 minutes on 2 idle cores
     .venv/bin/python benchmarks/async_vs_sync.py --updates 3 --warmup 1   # a quick look
 """
 from __future__ import annotations

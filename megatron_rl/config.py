@@ -197,9 +197,6 @@ class GeneratorConfig:
     # A request never reuses a cached prefix computed by weights more than this many versions older (cache salts).
     prefix_cache_max_staleness: int = 0
     bucket_mb: int = 256
-    # Prefill newly admitted sequences inside the running decode batch (SGLang --enable-mixed-chunk),
-    # not in a pass of their own that stops every running sequence: async admits while others decode.
-    mixed_prefill: bool = True
     startup_timeout_s: float = 300.0
     extra_args: list[str] = field(default_factory=list)
 

@@ -47,10 +47,6 @@ class ServerSpec:
     # (computed by the old weights) is then tagged with the new version. Off by default so that
     # per-token versions are exact; turn on for throughput when off-by-one tags are acceptable.
     overlap_schedule: bool = False
-    # prefill admitted requests inside the running decode batch (--enable-mixed-chunk): with requests
-    # arriving one group at a time, a prefill pass of its own stalls every running sequence; measured on
-    # benchmarks/async_vs_sync.py (CPU) async 17.4 -> 18.5 sequences/s
-    mixed_prefill: bool = True
     host: str = HOST  # the address to listen on and to be reached at (never a wildcard: see node.py)
     tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
     gpu_ids: tuple[int, ...] = ()  # its node-local GPUs, consecutive, one per TP rank (--base-gpu-id); () = SGLang's
@@ -72,8 +68,6 @@ class ServerSpec:
             cmd += ["--base-gpu-id", str(self.gpu_ids[0])]
         if not self.overlap_schedule:
             cmd += ["--disable-overlap-schedule"]
-        if self.mixed_prefill:
-            cmd += ["--enable-mixed-chunk"]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.tp_size > 1:

@@ -107,5 +107,5 @@ def open_generator(model: str, port: int, rollout=None, generator=None, max_conc
     spec = ServerSpec(str(generator_model_dir(model)), port, max_total_tokens=g.max_total_tokens,
                       log_path=log_path, mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), threads=threads,
-                      tp_size=g.tp_size, mixed_prefill=g.mixed_prefill)
+                      tp_size=g.tp_size)
     return Generator(SGLangServer(spec), rollout or RolloutConfig(), g, max_concurrency=max_concurrency).start()

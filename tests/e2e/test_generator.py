@@ -86,13 +86,6 @@ def test_greedy_matches_hf_before_sync(gen, hf):
     assert_matches_hf(gen, hf, 0)
 
 
-def test_server_runs_with_mixed_prefill(gen):
-    """generator.mixed_prefill (default on) reaches SGLang: its scheduler mixes prefill into decode
-    batches (every test of this module then checks the tokens and logprobs of that mode against HF)."""
-    info = gen.server.client._call("GET", "/get_server_info")
-    assert info["enable_mixed_chunk"] is True
-
-
 def test_sampled_group_is_streamed_as_rollouts(gen):
     gen.submit("s", PROMPTS[0], sampling={"temperature": 1.0, "max_new_tokens": 6})  # G from config
     rs = sorted(gen.completions(timeout=120), key=lambda r: r.sample_index)

@@ -1,6 +1,5 @@
 """generator.tp_size reaches what the run does: SGLang's --tp-size, and the size of the weight-push
-group the trainers open with each server (1 sender + the server's tp_size ranks); generator.mixed_prefill
-reaches the run's server command."""
+group the trainers open with each server (1 sender + the server's tp_size ranks)."""
 from __future__ import annotations
 
 from megatron_rl.config import config_from_dict
@@ -43,10 +42,3 @@ def test_push_targets_carry_the_generator_tp_size(tmp_path):
         req: PushRequest = pushes[0][1]
         assert [(t.url, t.tp_size) for t in req.targets] == [("http://127.0.0.1:30000", tp)]
         ctrl.shutdown()
-
-
-def test_mixed_prefill_reaches_the_run_servers_command(tmp_path):
-    for on in (True, False):
-        cfg = config_from_dict({"generator": {"mixed_prefill": on}, "run": {"output_dir": str(tmp_path)}})
-        cmd = server_spec(cfg, 0, "m", tmp_path, 30000, "127.0.0.1").command()
-        assert ("--enable-mixed-chunk" in cmd) == on

@@ -266,8 +266,7 @@ class Generator:
         # retract re-prefills the paused sequences under their old cache salt: only a flush keeps them
         # from reusing KV of the old weights. in_place needs none (new requests carry a new salt) and a
         # flush would stall the paused generator (SGLang runs gc.collect on CPU, empty_cache on CUDA)
-        flushed = self._update_mode == "retract" and c.flush_cache()
-        if self._update_mode == "retract" and not flushed:
+        if self._update_mode == "retract" and not c.flush_cache():
             raise WeightUpdateError("radix cache flush refused after a retract pause; KV would not be exact")
         self.cache.on_update(version)
         self.needs_weight_sync = False

@@ -12,7 +12,8 @@ Sync: issue the groups of one batch, wait for all of them, train, push. Async: k
 sequences in flight, as the budget admits them (staleness admission, `RolloutBudget.free_group_slots`);
 the trainer trains whenever `n_batch` are ready (groups with the oldest tokens first), then pushes
 while generation continues. Throughput = trained sequences (tokens) / wall time over updates after
-`--warmup`; per mode also the token staleness of the trained batches, the groups dropped as stale, the
+`--warmup`, pooled over `--pairs` alternating sync / async runs (the machine's speed drifts
+between runs); per mode also the token staleness of the trained batches, the groups dropped as stale, the
 mean length of trained / all completed samples (length bias), the generator's CPU use (its server's
 processes) and the trainer's busy share (train + push). The simulator (`megatron_rl.control.simulate`)
 is then calibrated on this run's measured rates (decode tokens/s measured at several concurrencies and
@@ -20,8 +21,8 @@ fitted with peak * c / (c + c_half), the trainer's time per update against its t
 time), run for this layout and for a scaled-out one (--sim-generators generators, --sim-trainers
 data-parallel trainers, lengths --sim-ratio x), and printed next to the measured figures.
 
-    .venv/bin/python benchmarks/async_vs_sync.py            # ~2 minutes on 2 idle cores
-    .venv/bin/python benchmarks/async_vs_sync.py --updates 3 --warmup 1   # a quick look
+    .venv/bin/python benchmarks/async_vs_sync.py            # ~4 minutes on 2 idle cores (3 pairs)
+    .venv/bin/python benchmarks/async_vs_sync.py --pairs 1 --updates 3 --warmup 1   # a quick look
 """
 from __future__ import annotations
 
@@ -116,9 +117,9 @@ class Bench:
         t1 = time.perf_counter()
         push_in_process([self.gen], [(self.sender, export_hf_tensors(self.trainer.model_chunks))], self.trainer.version)
         t2 = time.perf_counter()
-        res.train.append((tokens, t1 - t0))
-        res.push.append(t2 - t1)
-        if measured:
+        if measured:  # the calibration too: a run's first update pays one-time costs
+            res.train.append((tokens, t1 - t0))
+            res.push.append(t2 - t1)
             res.trainer_busy_s += t2 - t0
             res.seqs += len(batch.sequences)
             res.tokens += sum(s.completion_len for s in batch.sequences)
@@ -231,6 +232,17 @@ class Bench:
         return table, statistics.median(starts)
 
 
+def _pooled(runs: list[ModeResult]) -> ModeResult:
+    """The runs of one mode as one: throughput over their summed time, every sample's figures."""
+    out = ModeResult(dropped_frac=statistics.fmean(r.dropped_frac for r in runs),
+                     length_ratio=statistics.fmean(r.length_ratio for r in runs))
+    for r in runs:
+        out.seqs, out.tokens, out.seconds = out.seqs + r.seqs, out.tokens + r.tokens, out.seconds + r.seconds
+        out.train, out.push, out.staleness = out.train + r.train, out.push + r.push, out.staleness + r.staleness
+        out.trainer_busy_s, out.gen_cpu_s = out.trainer_busy_s + r.trainer_busy_s, out.gen_cpu_s + r.gen_cpu_s
+    return out
+
+
 def _close_phase(res: ModeResult, budget) -> None:
     c = budget.counters
     res.dropped_frac = c.groups_dropped_stale / max(1, c.groups_completed)
@@ -270,7 +282,7 @@ def report(args, params, sim, big, big_sim, sync: ModeResult, asyn: ModeResult) 
     print(f"\nworkload: G={args.group}, n_batch={args.n_batch}, n_mini={args.n_mini}, n_async={args.n_async}, "
           f"max_staleness={args.max_staleness}, completion lengths Pareto(alpha={args.alpha}) on "
           f"[{args.low}, {int(args.low * args.ratio)}], prompt {args.prompt_len}; "
-          f"{args.updates - args.warmup} measured updates per mode")
+          f"{args.updates - args.warmup} measured updates per mode and run, {args.pairs} alternating pair(s)")
     d = params.decode
     curve = f"{d.peak_tok_s:.0f} c / (c + {d.c_half:.1f}) tok/s" if not d.table else "the measured table"
     print(f"fitted: decode {curve}, trainer {params.train_a_s:.3f} s + {params.train_b_s * 1e3:.3f} ms/token, push "
@@ -316,12 +328,15 @@ def main() -> None:
     ap.add_argument("--gen-core", type=int, default=0)
     ap.add_argument("--train-core", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pairs", type=int, default=3, help="sync + async runs, alternating (run-to-run noise: +-5-10%%)")
     ap.add_argument("--sim-generators", type=int, default=64, help="the scaled-out simulated layout")
     ap.add_argument("--sim-trainers", type=int, default=16)
     ap.add_argument("--sim-ratio", type=float, default=10.0, help="its longest / shortest completion")
     args = ap.parse_args()
     if args.updates <= args.warmup:
         ap.error("--updates must exceed --warmup")
+    if args.pairs < 1:
+        ap.error("--pairs must be >= 1")
 
     from megatron_rl.config import GeneratorConfig, RolloutConfig, config_from_dict
     from megatron_rl.rollout.generator import Generator
@@ -361,12 +376,19 @@ def main() -> None:
             table, prefill_s = bench.decode_model(sorted({1, 4, 16, args.n_batch, args.n_async}), 16, 64)
             print("decode tok/s by concurrency: " + ", ".join(f"{int(c)}: {t:.0f}" for c, t in table)
                   + f"; start-up {prefill_s * 1e3:.1f} ms per sequence", flush=True)
-            sync = bench.run_sync(args.updates, args.warmup)
-            print(f"sync done: {sync.seq_s:.2f} seq/s", flush=True)
-            asyn = bench.run_async(args.updates, args.warmup)
+            pairs = []  # alternating, so that a drift of the machine's speed hits both modes alike
+            for i in range(args.pairs):
+                pairs.append((bench.run_sync(args.updates, args.warmup), bench.run_async(args.updates, args.warmup)))
+                print(f"pair {i + 1}/{args.pairs}: sync {pairs[-1][0].seq_s:.2f} seq/s, async "
+                      f"{pairs[-1][1].seq_s:.2f} seq/s", flush=True)
         finally:
             gen.close()
+    sync, asyn = _pooled([s for s, _ in pairs]), _pooled([a for _, a in pairs])
     report(args, *simulated(args, table, prefill_s, sync, asyn), sync, asyn)
+    if args.pairs > 1:
+        ratios = sorted(a.seq_s / s.seq_s for s, a in pairs)
+        print(f"measured async / sync seq/s per pair: {', '.join(f'{r:.2f}x' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f}x; the table above pools the {args.pairs} pairs)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import math
+import traceback
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,9 +148,22 @@ def _checked(spec: str, out: Any) -> RewardBreakdown:
     return out
 
 
+def _raised(spec: str, e: Exception) -> RewardPluginError:
+    """The plug-in's own exception, naming reward.custom and the line that raised it: the verifier
+    pool keeps only this one line (status "error"), so it must lead the user to the bug."""
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return RewardPluginError(f"reward.custom {spec!r} raised {type(e).__name__}: {e} "
+                             f"({Path(frame.filename).name}:{frame.lineno} in {frame.name})")
+
+
 def custom_score(spec: str, task: dict[str, Any], response: str, ctx: RewardContext) -> RewardBreakdown:
     """Grade with the plug-in of `spec` and check what it returned."""
-    out = _checked(spec, load_reward_fn(spec)(dict(task), response, ctx))
+    fn = load_reward_fn(spec)
+    try:
+        returned = fn(dict(task), response, ctx)
+    except Exception as e:
+        raise _raised(spec, e) from e
+    out = _checked(spec, returned)
     out.num_tokens, out.num_tokens_estimated = ctx.num_tokens, ctx.num_tokens_estimated
     out.details.setdefault("reward", f"custom:{spec}")
     return out

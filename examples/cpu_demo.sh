@@ -31,18 +31,4 @@ megatron-rl train "$CFG" "trainer.model=$RUN/sft-hf" "data.path=$RUN/data/proble
 
 stamp "4/4 results"
 megatron-rl plot "$RUN/rl"
-python - "$RUN/rl/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-k = max(1, len(rows) // 4)
-def mean(rs, key):  # weighted by rollouts graded per update (a window may have graded none)
-    n = sum(r.get("rollouts", 0) for r in rs)
-    return sum(r.get(key, 0.0) * r.get("rollouts", 0) for r in rs) / n if n else float("nan")
-for key in ("reward/mean", "pass_rate", "reward/format_ok"):
-    print(f"{key:18s} first {k} updates {mean(rows[:k], key):.3f} -> last {k} updates {mean(rows[-k:], key):.3f}")
-for r in rows:  # the held-out evaluation rounds (run.eval_every)
-    if "eval/pass@1" in r:
-        print(f"held-out after update {r['update']:3d}: pass@1 {r['eval/pass@1']:.3f}  "
-              f"pass@4 {r.get('eval/pass@4', float('nan')):.3f}  ({r['eval/problems']} problems, "
-              f"{r['eval/ungradable']} ungradable)")
-PY
+python examples/cpu_demo_summary.py "$RUN/rl/metrics.jsonl"

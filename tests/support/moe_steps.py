@@ -70,14 +70,23 @@ def run_moe_cases(script: str, tmp_path: Path, cases) -> dict[str, list[dict]]:
             for name in cases}
 
 
-def assert_same_step(got: dict, want: dict, what: str, rtol: float = 1e-4) -> None:
-    """Metrics, grad norm and every gradient of `got` equal `want`'s (rtol 1e-4, atol 1e-6 on grads)."""
+def assert_same_step(got: dict, want: dict, what: str, rtol: float | None = None) -> None:
+    """Metrics, grad norm and every gradient of `got` equal `want`'s within float32 reduction-order
+    error: another layout sums the same terms in another order (TP/EP/DP splits, packing), through
+    the tiny MoE's chain of matmuls with reductions <= its 301-token vocabulary (network_error: 2.0e-4);
+    floors 1e-1 rtol for the O(1) metrics and 1e-2 rtol for the O(1e-2) gradients near zero. A top-k
+    routing decision could flip within that error; none does for this model and batch."""
     import pytest
+
+    from support.tolerances import network_error, transformer_matmuls
+
+    rtol = rtol if rtol is not None else network_error(transformer_matmuls(2), 301)
 
     assert got["ok"], what
     for key in METRICS:
-        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=rtol, abs=1e-5), (what, key)
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=rtol, abs=rtol * 1e-1), (what, key)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=rtol), what
     assert got["grads"].keys() == want["grads"].keys(), what
     for param, g in got["grads"].items():
-        torch.testing.assert_close(g, want["grads"][param], rtol=rtol, atol=1e-6, msg=lambda m: f"{what} {param}: {m}")
+        torch.testing.assert_close(g, want["grads"][param], rtol=rtol, atol=rtol * 1e-2,
+                                   msg=lambda m: f"{what} {param}: {m}")

@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.records import Batch, TrainSequence
+from support.tolerances import network_error, sum_error, transformer_matmuls
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 # Megatron parameter -> HF parameter with the same layout (no fused/permuted weights).
@@ -111,26 +112,32 @@ def test_loss_metrics_and_gradients_match_hf_reference(tiny_llama_dir):
     trainer.optimizer.zero_grad()
     out = forward_backward(trainer.model, seqs, trainer.ctx)
     assert out.n_micro_batches >= 3  # accumulation over several packed micro-batches
-    for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max",
-                "entropy", "logprob_mean", "n_loss_tokens"):
-        assert out.metrics[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-5), key
+    # Megatron and HF run other kernels in other orders: float32 through the tiny model's chain of
+    # matmuls (reductions <= its 384-token vocabulary), 2.1e-4 relative; absolute floors for values
+    # near zero (metrics are O(1), gradients O(1e-2)); a clip fraction flips with one token (1/n)
+    rtol = network_error(transformer_matmuls(2), 384)
+    for key in ("loss", "ratio_mean", "ratio_min", "ratio_max", "entropy", "logprob_mean", "n_loss_tokens"):
+        assert out.metrics[key] == pytest.approx(ref[key], rel=rtol, abs=rtol * 1e-1), key
+    for key in ("clip_frac_low", "clip_frac_high"):
+        assert out.metrics[key] == pytest.approx(ref[key], abs=1e-9), key  # no ratio within rtol of a clip edge
     params = dict(trainer.model_chunks[0].named_parameters())
     for meg, hf_name in SAME_LAYOUT.items():
-        torch.testing.assert_close(params[meg].main_grad, ref_grads[hf_name], rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(params[meg].main_grad, ref_grads[hf_name], rtol=rtol, atol=rtol * 1e-2,
                                    msg=lambda m: f"{meg}: {m}")
     # log_entropy=False: the same loss, gradients and metrics without the entropy pass (no entropy key)
     quiet = dataclasses.replace(trainer.ctx, trainer=dataclasses.replace(trainer.ctx.trainer, log_entropy=False))
     out2 = forward_backward(trainer.model, seqs, quiet)
     assert "entropy" not in out2.metrics
     for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "logprob_mean"):
-        assert out2.metrics[key] == pytest.approx(out.metrics[key], rel=1e-6, abs=1e-7), key
+        # the same kernels on the same inputs, but the entropy pass no longer shares the logits buffer
+        assert out2.metrics[key] == pytest.approx(out.metrics[key], rel=sum_error(384), abs=1e-7), key
     torch.testing.assert_close(params["output_layer.weight"].main_grad, ref_grads["lm_head.weight"],
-                               rtol=1e-4, atol=1e-6)
+                               rtol=rtol, atol=rtol * 1e-2)
     sft = forward_backward(trainer.model, seqs, quiet, objective="sft", forward_only=True).metrics
     assert "entropy" not in sft
-    assert sft["loss"] == pytest.approx(-ref["logprob_mean"], rel=1e-4)  # SFT: mean NLL of the tokens
+    assert sft["loss"] == pytest.approx(-ref["logprob_mean"], rel=rtol)  # SFT: mean NLL of the tokens
     ok, grad_norm, _ = trainer.optimizer.step()
-    assert ok and grad_norm == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert ok and grad_norm == pytest.approx(ref["grad_norm"], rel=rtol)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,8 +6,10 @@ is kept, converted, or dropped with one reason:
 - `multi_part`: several sub-questions ((a)/(b), (i)/(ii), "Part 1"/"Part 2"): one answer cannot
   grade them;
 - multiple choice (a `choices` list/dict, or "(A) ... (B) ..." options in the text) is turned into
-  an open question when the answer is a letter whose option text is a verifiable answer and the
-  question does not refer to its options ("which of the following"); else `multiple_choice`;
+  an open question when the answer is a letter (or the text) of an option that is a verifiable
+  answer and the question does not select among its options ("which ...", "the following", "pick",
+  "choose", a stem ending in ":"), as "What is 4 + 5?" with options 7, 8, 9 and answer C becomes
+  {"problem": "What is 4 + 5?", "answer": "9"}; else `multiple_choice`;
 - `no_answer`, `guessable_answer` (yes/no/true/false), `answer_has_words` (prose, e.g. "98
   values" or "no solutions"), `unparseable_answer` (the math verifier's LaTeX parser rejects it),
   `too_long_answer`: the answer cannot be verified reliably. Checks use `megatron_rl.reward.math`'s
@@ -29,8 +31,10 @@ _PART_MARKS = [
 ]
 _OPTION = re.compile(r"(?:^|\s)\(([A-E])\)\s*(.+?)(?=\s*\([A-E]\)\s|$)", re.S)
 _OPTION_LINE = re.compile(r"^\s*([A-E])[.)]\s+(.+?)\s*$", re.M)
-_REFERS_TO_OPTIONS = re.compile(r"\b(which of the following|the following|following (?:is|are)|"
-                                r"options?|choices?)\b", re.I)
+# A stem that selects among its options ("Which number is a square?", "Pick the largest:") has no
+# single answer once they are gone: converting it would train on a question the reference cannot grade.
+_REFERS_TO_OPTIONS = re.compile(r"\b(which|following|these|those|above|below|listed|among|options?|choices?|"
+                                r"pick|choose|select)\b|:\s*$", re.I)
 _GUESSABLE = {"yes", "no", "true", "false"}
 _LATEX_CMD = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{3,}")

@@ -2,7 +2,7 @@
 
 Magistral translates ~10% of its problems into French, Spanish, Italian, German, Chinese and Russian
 so that the language-consistency reward has non-English problems to act on. `translate_problems`
-picks `fraction` of the problems (seeded), assigns target languages round-robin, asks the endpoint
+picks `fraction` of the problems (seeded; at least one for a fraction above 0), assigns target languages round-robin, asks the endpoint
 (`POST {base_url}/v1/chat/completions`; an SGLang server counts) for a translation of the problem
 text only, and checks each translation's language with the fastText detector
 (`reward.language.detect`). Translations in the wrong language, or empty, are rejected and counted.
@@ -175,6 +175,14 @@ def _request_all(problems: list[Problem], client: ChatClient, targets: dict[int,
     return texts
 
 
+def _how_many(fraction: float, n_problems: int) -> int:
+    """round(fraction * n_problems), but at least one problem for a fraction above 0: 10% of a
+    4-problem file would otherwise translate nothing and look like a successful run."""
+    if fraction == 0.0 or n_problems == 0:
+        return 0
+    return max(1, round(fraction * n_problems))
+
+
 def translate_problems(problems: list[Problem], client: ChatClient, fraction: float = 0.1,
                        languages: list[str] | None = None, seed: int = 0, mode: str = "add",
                        workers: int = 4, min_confidence: float = 0.0,
@@ -192,7 +200,8 @@ def translate_problems(problems: list[Problem], client: ChatClient, fraction: fl
         raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
     if mode not in ("add", "replace"):
         raise ValueError(f"mode must be 'add' or 'replace', got {mode!r}")
-    n = round(fraction * len(problems))
+    n = _how_many(fraction, len(problems))
+    log.info("translating %d of %d problems (fraction %g)", n, len(problems), fraction)
     chosen = sorted(random.Random(seed).sample(range(len(problems)), n))
     targets = {i: languages[j % len(languages)] for j, i in enumerate(chosen)}
     store = PartialFile(partial)

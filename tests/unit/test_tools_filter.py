@@ -18,6 +18,13 @@ RAW = [
     ({"id": "mc_list", "problem": "What is 2 * 3?", "choices": ["5", "6"], "answer": "(B)"}, None),
     ({"id": "mc_which", "problem": "Which of the following is prime? (A) 4 (B) 7", "answer": "B"}, "multiple_choice"),
     ({"id": "mc_bad", "problem": "Pick one. (A) 1 (B) 2", "answer": "E"}, "multiple_choice"),
+    # stems that select among their options have no answer without them (they would keep "9")
+    ({"id": "mc_which_number", "problem": "Which number is a perfect square? (A) 7 (B) 9 (C) 11", "answer": "B"},
+     "multiple_choice"),
+    ({"id": "mc_these", "problem": "Is one of these a square?", "choices": ["7", "9"], "answer": "9"},
+     "multiple_choice"),
+    ({"id": "mc_colon", "problem": "The largest number:", "choices": ["3", "9", "5"], "answer": "B"},
+     "multiple_choice"),
     ({"id": "none", "problem": "What is x?", "answer": ""}, "no_answer"),
     ({"id": "yes", "problem": "Is 7 prime?", "answer": "Yes"}, "guessable_answer"),
     ({"id": "prose", "problem": "Solve x^2 = -1 over the reals.", "answer": "There are no real solutions"},

@@ -67,3 +67,10 @@ def test_unreachable_endpoint_is_a_clear_error(free_port):
     with pytest.raises(EndpointError):
         ChatClient(f"http://127.0.0.1:{free_port}", timeout_s=2, retries=2, backoff_s=0.01).chat(
             [{"role": "user", "content": "hi"}])
+
+
+def test_a_small_fraction_of_a_small_file_still_translates_one(endpoint):
+    # 10% of 4 problems rounds to 0: the run would write the input back and report success
+    report = translate_problems(_problems(4), ChatClient(endpoint.url), fraction=0.1, languages=["fr"])
+    assert report.selected == 1 and report.accepted == 1 and len(endpoint.requests) == 1
+    assert translate_problems(_problems(4), ChatClient(endpoint.url), fraction=0.0).selected == 0

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="endpoint base, e.g. http://127.0.0.1:30000")
     parser.add_argument("--model", default="default", help="model name sent to the endpoint")
     parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
-    parser.add_argument("--fraction", type=float, default=0.1, help="fraction of problems to translate (at least one when above 0)")
+    parser.add_argument("--fraction", type=float, default=0.1,
+                        help="fraction of problems to translate (at least one when above 0)")
     parser.add_argument("--languages", default="fr,es,it,de,zh,ru", help="comma-separated ISO codes")
     parser.add_argument("--mode", choices=["add", "replace"], default="add")
     parser.add_argument("--max-tokens", type=int, default=1024)

@@ -2,10 +2,10 @@
 
 Magistral translates ~10% of its problems into French, Spanish, Italian, German, Chinese and Russian
 so that the language-consistency reward has non-English problems to act on. `translate_problems`
-picks `fraction` of the problems (seeded; at least one for a fraction above 0), assigns target languages round-robin, asks the endpoint
-(`POST {base_url}/v1/chat/completions`; an SGLang server counts) for a translation of the problem
-text only, and checks each translation's language with the fastText detector
-(`reward.language.detect`). Translations in the wrong language, or empty, are rejected and counted.
+picks `fraction` of the problems (seeded; at least one for a fraction above 0), assigns target
+languages round-robin, asks the endpoint (`POST {base_url}/v1/chat/completions`; an SGLang server
+counts) for a translation of the problem text only, and checks each translation's language with the
+fastText detector (`reward.language.detect`). Translations in the wrong language, or empty, are rejected and counted.
 Answers and code tests are never sent nor touched: the translated problem keeps the original
 task with only its `problem` text replaced, and gets `language` set to the target.
 

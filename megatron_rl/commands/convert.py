@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_rl.platform import silence_expected_cpu_warnings
+
+    # the conversion imports Megatron-Core before init_parallel would silence its CPU import warnings
+    silence_expected_cpu_warnings()
     from megatron_rl.tools.convert import ConversionError, hf_to_megatron, megatron_to_hf
     from megatron_rl.train.checkpoint_manifest import CheckpointError
     from megatron_rl.train.parallel import ParallelLayout

@@ -174,8 +174,9 @@ def find_hf_config(ckpt: Path, hf_config: str | Path | None):
     for folder in (ckpt / "hf_config", ckpt.parent / "hf_config"):
         if (folder / "config.json").is_file():
             return resolve_model(folder)
-    raise ConversionError(f"{ckpt}: no hf_config/ next to the checkpoint; pass the HF config "
-                          f"(model directory or name) the checkpoint was trained from")
+    raise ConversionError(f"{ckpt}: no hf_config/ next to the checkpoint (a trainer checkpoint has none): "
+                          f"pass --hf-config MODEL (hf_config= from Python), the HF model directory or name "
+                          f"it was trained from (its run's trainer.model)")
 
 
 def _export_bytes(chunks, dtype: torch.dtype) -> int:

@@ -28,16 +28,14 @@ STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 # phase -> (tp, pp, dp, vpp, checkpoint it loads); "tp2" trains, saves A and A_dp (2-rank worker)
 PHASES = {"tp1dp2": (1, 1, 2, None, "A"), "pp2": (1, 2, 1, None, "A"), "pp2vpp2": (1, 2, 1, 2, "A"),
           "tp2again": (2, 1, 1, None, "A"), "tp2_from_tp1": (2, 1, 1, None, "B")}
-# float32 reduction-order differences between layouts, through Adam: measured <= 1.7e-7 (one step moves
-# weights by up to lr = 1e-2); a restarted Adam misses by ~1e-2
-RTOL, ATOL = 1e-6, 1e-6
+LR, BETAS, STEP = 1e-2, (0.9, 0.95), 3  # _config's lr, the trainer's Adam betas; the step after A
 
 
 def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None):
     from megatron_rl.config import config_from_dict
 
     return config_from_dict({
-        "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": 24, "lr": 1e-2,
+        "trainer": {"model": model_dir, "precision": "fp32", "micro_batch_tokens": 24, "lr": LR,
                     "grad_clip": 1.0, "weight_decay": 0.01, "tensor_parallel": tp, "pipeline_parallel": pp,
                     "data_parallel": dp, "virtual_pipeline": vpp},
         "algo": {"eps_low": 0.2, "eps_high": 0.28}})
@@ -175,6 +173,8 @@ def run(tmp_path_factory):
     (root / "batches.json").write_text(json.dumps([[dataclasses.asdict(s) for s in b] for b in batches]))
     (root / "spec.json").write_text(json.dumps({"model_dir": str(model_dir)}))
     run_two_ranks(__file__, root)
+    torch.set_num_threads(1)
+    _capture_step_grads(root, str(model_dir))
     return root, str(model_dir)
 
 
@@ -184,10 +184,36 @@ def _assert_equal_maps(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[name], t), f"{what}: {name} differs"
 
 
-def _assert_close_maps(got: dict, want: dict, what: str) -> None:
+def _step_tolerance(root: Path, saved: dict) -> dict[str, torch.Tensor]:
+    """Per element: how far one Adam step at another layout may land from the reference step
+    (support/adam_steps.step_tolerance), from this step's gradient and the saved Adam state."""
+    from support.adam_steps import step_tolerance
+
+    captured = torch.load(root / "grads.pt", weights_only=False)
+    v = {k.split("/", 1)[1]: t for k, t in saved["adam"].items() if k.startswith("exp_avg_sq/")}
+    return step_tolerance(captured["grads"], captured["grad_norm"], saved["weights"], lr=LR, betas=BETAS,
+                          step=STEP, grad_clip=1.0, n_terms=2 * 64, exp_avg_sq=v)  # <= 64 tokens x 2 ranks
+
+
+def _capture_step_grads(root: Path, model_dir: str) -> None:
+    """The step after A's gradient (before clipping) and grad norm, at TP=1 in this process."""
+    from support.adam_steps import step_gradients
+
+    from megatron_rl.train.parallel import destroy_parallel
+
+    _, more = _batches(root / "batches.json")
+    tr = _trainer(model_dir)
+    tr.load(root / "A", load_optimizer=False)  # the gradient does not depend on Adam's state
+    grads, grad_norm = step_gradients(tr, more)
+    torch.save({"grads": grads, "grad_norm": grad_norm}, root / "grads.pt")
+    destroy_parallel()
+
+
+def _assert_close_maps(got: dict, want: dict, tol: dict, what: str) -> None:
+    from support.adam_steps import misses
+
     assert set(got) == set(want), what
-    for name, t in want.items():
-        torch.testing.assert_close(got[name], t, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
+    assert not misses(got, want, tol), what
 
 
 def test_saved_state_is_padded_with_zeros(run):
@@ -211,12 +237,15 @@ def test_reshard_weights_and_adam_then_step(run, phase):
         assert got["steps"] == {2.0} and not got["nonzero_padding"], got["nonzero_padding"]
     else:
         assert phase == "tp1dp2"
-    _assert_close_maps(got_next["weights"], ref_next["weights"], f"{phase} after one more step")  # (c)
+    _assert_close_maps(got_next["weights"], ref_next["weights"], _step_tolerance(root, saved),
+                       f"{phase} after one more step")  # (c)
     if phase == "tp2again":  # the saving layout itself resumes bit-exactly
         _assert_equal_maps(got_next["weights"], ref_next["weights"], "tp2again after one more step")
 
 
 def test_tp1_single_process_and_restarted_adam_control(run):
+    from support.adam_steps import misses
+
     root, model_dir = run
     saved, ref_next = _merged(root, "saved"), _merged(root, "saved_next")
     _, more = _batches(root / "batches.json")
@@ -229,7 +258,8 @@ def test_tp1_single_process_and_restarted_adam_control(run):
     _assert_equal_maps(mine["adam"], saved["adam"], "tp1 Adam state")
     assert mine["steps"] == {2.0} and not mine["nonzero_padding"]
     tr.train_on(more)
-    _assert_close_maps(snapshot(tr, with_adam=False)["weights"], ref_next["weights"], "tp1 after one more step")
+    tol = _step_tolerance(root, saved)
+    _assert_close_maps(snapshot(tr, with_adam=False)["weights"], ref_next["weights"], tol, "tp1 after one more step")
 
     # dp_reshardable keeps its old behaviour: across a TP change the weights reshard, Adam restarts ...
     fresh = _trainer(model_dir)
@@ -237,10 +267,10 @@ def test_tp1_single_process_and_restarted_adam_control(run):
     assert not fresh.last_load.optimizer_loaded and fresh.last_load.optimizer_format == "dp_reshardable"
     _assert_equal_maps(snapshot(fresh, with_adam=False)["weights"], saved["weights"], "A_dp weights")
     fresh.train_on(more)
-    # ... and a restarted Adam misses the reference step by far more than the tolerance used above
+    # ... and a restarted Adam misses the tolerance used above on most elements
     restarted = snapshot(fresh, with_adam=False)["weights"]
-    worst = max(((restarted[n] - t).abs() - RTOL * t.abs()).max().item() for n, t in ref_next["weights"].items())
-    assert worst > 1e3 * ATOL
+    numel = sum(t.numel() for t in ref_next["weights"].values())
+    assert sum(misses(restarted, ref_next["weights"], tol).values()) > numel / 2
 
 
 def test_checkpoint_of_another_model_is_refused(run, tmp_path):

@@ -92,26 +92,18 @@ def worker(root: Path) -> None:
 
 
 def _dump_step_grads(model_dir: str, root: Path, more) -> None:
-    """The gradient (before clipping) and grad norm of the step after A, from A's weights and state at
-    DP=2 without the distributed optimizer (every rank then holds every full gradient)."""
+    """The gradient (before clipping) and grad norm of the step after A, from A's weights at DP=2
+    without the distributed optimizer (every rank then holds every full gradient)."""
     import torch.distributed as dist
 
-    from megatron_rl.train.hf_weights import export_hf_tensors
+    from support.adam_steps import step_gradients
+
     from megatron_rl.train.parallel import destroy_parallel
 
     tr = _trainer(model_dir, {"data_parallel": 2, "distributed_optimizer": False})
     tr.load(root / "A", load_optimizer=False)  # the gradient does not depend on Adam's state
-    step, captured = tr.optimizer.step, {}
-
-    def capturing_step():
-        captured["grads"] = {n: g.clone() for n, g in export_hf_tensors(tr.model_chunks, grads=True)}
-        ok, norm, zeros = step()
-        captured["grad_norm"] = float(norm)
-        return ok, norm, zeros
-
-    tr.optimizer.step = capturing_step
-    tr.train_on(more)
-    torch.save(captured, f"{root / 'grads'}.rank{dist.get_rank()}.pt")
+    grads, grad_norm = step_gradients(tr, more)
+    torch.save({"grads": grads, "grad_norm": grad_norm}, f"{root / 'grads'}.rank{dist.get_rank()}.pt")
     destroy_parallel()
 
 
@@ -137,42 +129,20 @@ def _rank(root: Path, phase: str, rank: int) -> dict:
 
 
 def _step_tolerance(run: Path, rank: int) -> dict[str, torch.Tensor]:
-    """Per element: how far one Adam step at another layout may land from the reference step.
-
-    The layouts see the same weights and optimizer state (checked bit-exactly) and gradients that
-    differ by float32 reduction order: per element at most sum_error(n) times the sum of |terms|
-    over the n tokens and ranks it adds; that sum is not recorded, so the tensor's largest gradient
-    stands for it (>= any element's own |g|; an element that cancels to near zero is what Adam then
-    amplifies); an exact zero sums no terms in any layout. Clipping by the global norm (itself off by sum_error over all elements) scales
-    every gradient alike. adam_update_error turns that into the weight change (capped by a sign flip
-    of the update), plus two float32 roundings of the weight update itself.
-    """
-    from support.tolerances import adam_update_error, sum_error, unit_roundoff
+    """Per element: how far one Adam step at another layout may land from the reference step
+    (support/adam_steps.step_tolerance), from this step's gradient."""
+    from support.adam_steps import step_tolerance
 
     captured = torch.load(run / f"grads.rank{rank}.pt", weights_only=False)
-    grads = captured["grads"]
-    scale = min(1.0, KEYS["grad_clip"] / captured["grad_norm"])
-    n_terms = 2 * 64  # >= tokens of the step's batch (4 sequences <= 16 tokens) times 2 ranks
-    numel = sum(g.numel() for g in grads.values())
-    saved = _rank(run, "saved", rank)["weights"]
-    tol = {}
-    for name, g in grads.items():
-        g = g.double() * scale
-        # an exact zero sums no terms (a token absent from the batch, an expert routed none): no error
-        err = (sum_error(n_terms) * g.abs().max() + sum_error(numel) * g.abs()) * (g != 0)
-        tol[name] = (adam_update_error(g, err, LR, step=3, beta1=BETAS[0], beta2=BETAS[1])
-                     + 2 * unit_roundoff(torch.float32) * saved[name].double().abs())
-    return tol
-
-
-def _misses(got: dict, want: dict, tol: dict) -> dict[str, int]:
-    """Elements of `got` farther from `want` than their tolerance, per tensor (those with any)."""
-    out = {n: int(((got[n].double() - t.double()).abs() > tol[n]).sum()) for n, t in want.items()}
-    return {n: k for n, k in out.items() if k}
+    return step_tolerance(captured["grads"], captured["grad_norm"], _rank(run, "saved", rank)["weights"],
+                          lr=LR, betas=BETAS, step=3, grad_clip=KEYS["grad_clip"],
+                          n_terms=2 * 64)  # >= tokens of the step's batch (4 sequences <= 16 tokens) x 2 ranks
 
 
 @pytest.mark.parametrize("phase", [p for p in PHASES if p != "dp2_fresh_adam"])
 def test_moe_reshard_weights_exact_then_step(run, phase):
+    from support.adam_steps import misses
+
     for rank in (0, 1):
         saved, ref_next = _rank(run, "saved", rank)["weights"], _rank(run, "saved_next", rank)["weights"]
         got = _rank(run, phase, rank)
@@ -184,13 +154,15 @@ def test_moe_reshard_weights_exact_then_step(run, phase):
         assert not differ, f"{phase} rank {rank} weights differ after the load: {differ}"
         if phase == "tp2_again":  # same layout, same kernels, same order: bit-exact
             assert all(torch.equal(got_next[n], t) for n, t in ref_next.items()), phase
-        assert not _misses(got_next, ref_next, _step_tolerance(run, rank)), f"{phase} rank {rank}"
+        assert not misses(got_next, ref_next, _step_tolerance(run, rank)), f"{phase} rank {rank}"
 
 
 def test_wrong_optimizer_state_misses_the_tolerance(run):
     """The controls that make the step comparison above a test of the optimizer state: A loaded without
     its state (Adam restarts) and the reference step with the bias correction of step 4 instead of 3
     (an off-by-one step count) both miss the per-element tolerance on most elements."""
+    from support.adam_steps import misses
+
     for rank in (0, 1):
         got = _rank(run, "dp2_fresh_adam", rank)
         assert got["load"] == {"optimizer_loaded": False, "step": 2}
@@ -199,7 +171,7 @@ def test_wrong_optimizer_state_misses_the_tolerance(run):
         ref_next = _rank(run, "saved_next", rank)["weights"]
         tol = _step_tolerance(run, rank)
         numel = sum(t.numel() for t in ref_next.values())
-        restarted = _misses(_rank(run, "dp2_fresh_adam_next", rank)["weights"], ref_next, tol)
+        restarted = misses(_rank(run, "dp2_fresh_adam_next", rank)["weights"], ref_next, tol)
         assert sum(restarted.values()) > numel / 2, restarted
         # Adam with decoupled decay: w' = w (1 - lr wd) - lr u, u = m_hat / sqrt(v_hat); at step 4
         # m_hat and v_hat carry the bias corrections 1 - b^4 instead of 1 - b^3
@@ -210,7 +182,7 @@ def test_wrong_optimizer_state_misses_the_tolerance(run):
             w = w.double()
             update = w * (1 - LR * wd) - ref_next[n].double()  # lr * u of the reference
             wrong[n] = w * (1 - LR * wd) - update * rescale
-        assert sum(_misses(wrong, ref_next, tol).values()) > numel / 2
+        assert sum(misses(wrong, ref_next, tol).values()) > numel / 2
 
 
 if __name__ == "__main__":

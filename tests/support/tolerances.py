@@ -86,22 +86,30 @@ def adam_direction_bound(step: int, beta1: float, beta2: float) -> float:
                          / ((1 - beta2) * beta2 ** (step - k) / bc2) for k in range(1, step + 1)))
 
 
-def adam_update_error(grad: torch.Tensor, grad_err: torch.Tensor | float, lr: float, step: int,
-                      beta1: float, beta2: float) -> torch.Tensor:
+def adam_step_error(sqrt_v_hat: torch.Tensor, grad_err: torch.Tensor | float, lr: float, step: int,
+                    beta1: float, beta2: float) -> torch.Tensor:
     """Elementwise bound on how far one Adam(W) step moves a weight when this step's gradient is off
-    by at most grad_err (same weights and optimizer state before the step).
+    by at most grad_err (same weights and optimizer state before the step), given a lower bound of
+    sqrt(v_hat) after the step.
 
     u = m_hat / (sqrt(v_hat) + eps), m = b1 m' + (1 - b1) g, v = b2 v' + (1 - b2) g^2, so
-    |du/dg| <= ((1 - b1) / bc1 + |u| sqrt((1 - b2) / bc2)) / sqrt(v_hat), with |u| <= U
-    (adam_direction_bound) and sqrt(v_hat) >= sqrt((1 - b2) / bc2) |g'| for every g' between the two
-    gradients (v holds this step's g'^2 at least). Where the gradient is at the noise level, the bound
-    is the update's whole range, 2 lr U: Adam can turn rounding noise into a sign flip there.
+    |du/dg| <= ((1 - b1) / bc1 + |u| (1 - b2) |g| / (bc2 sqrt(v_hat))) / sqrt(v_hat)
+            <= ((1 - b1) / bc1 + U sqrt((1 - b2) / bc2)) / sqrt(v_hat)
+    (|u| <= U, adam_direction_bound; v_hat >= (1 - b2) g^2 / bc2). Where sqrt(v_hat) is at the noise
+    level the bound is the update's whole range, 2 lr U: Adam can turn rounding noise into a sign flip.
     """
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     cap = adam_direction_bound(step, beta1, beta2)
-    root = math.sqrt((1 - beta2) / bc2)
-    slope = ((1 - beta1) / bc1 + cap * root) / (root * (grad.abs() - grad_err).clamp_min(0))
+    slope = ((1 - beta1) / bc1 + cap * math.sqrt((1 - beta2) / bc2)) / sqrt_v_hat
     return (lr * slope * grad_err).nan_to_num(posinf=math.inf).clamp_max(2 * lr * cap)
+
+
+def adam_update_error(grad: torch.Tensor, grad_err: torch.Tensor | float, lr: float, step: int,
+                      beta1: float, beta2: float) -> torch.Tensor:
+    """adam_step_error knowing only this step's gradient: v_hat holds (1 - b2) g'^2 / bc2 at least, for
+    every g' between the two gradients."""
+    root = math.sqrt((1 - beta2) / (1 - beta2 ** step))
+    return adam_step_error(root * (grad.abs() - grad_err).clamp_min(0), grad_err, lr, step, beta1, beta2)
 
 
 # Cancellation allowance for the chained bound below: sum |terms| / |result| of the gradients of the

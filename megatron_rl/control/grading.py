@@ -25,6 +25,7 @@ from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import GradeItem, Graded, Key, RunFailed, Stop, WorkerFailure
 from megatron_rl.records import Rollout
 from megatron_rl.reward import VerifierPool
+from megatron_rl.reward.types import reward_components
 
 
 def grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[Key, dict]]:
@@ -38,8 +39,7 @@ def grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[Key, dict]]:
 def apply_verdict(rollout: Rollout, breakdown: dict[str, Any]) -> None:
     """Stamp a graded ("ok") breakdown on its rollout: the reward and its components."""
     rollout.reward = float(breakdown["total"])
-    rollout.reward_components = {k: float(breakdown[k]) for k in ("format_ok", "correct", "length_penalty",
-                                                                   "language_ok")}
+    rollout.reward_components = reward_components(breakdown)
 
 
 class GradingLedger:

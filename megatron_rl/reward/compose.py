@@ -127,11 +127,12 @@ def builtin_score(task: dict | Task, response: str, config: RewardConfig | None 
     _check_response(response, num_tokens)
     estimated = num_tokens is None
     n_tok = estimate_tokens(response) if estimated else num_tokens
+    language_ok: bool | None = False if cfg.language_check else None  # None: not checked, not a failure
 
     fmt = check_format(parsed, response)
     if not fmt.ok:  # the gate: nothing else is graded
-        return RewardBreakdown(num_tokens=n_tok, num_tokens_estimated=estimated, details={"format": fmt.reason},
-                               elapsed_s=time.perf_counter() - start)
+        return RewardBreakdown(language_ok=language_ok, num_tokens=n_tok, num_tokens_estimated=estimated,
+                               details={"format": fmt.reason}, elapsed_s=time.perf_counter() - start)
 
     grade = _grade_code if isinstance(parsed, CodeTask) else _grade_math
     correct, details = grade(parsed, fmt, cfg)
@@ -141,7 +142,6 @@ def builtin_score(task: dict | Task, response: str, config: RewardConfig | None 
                                elapsed_s=time.perf_counter() - start)
     penalty = overlong_penalty(n_tok, *window, cfg.overlong_penalty)
     details["length_window"] = list(window)
-    language_ok = False
     if cfg.language_check:
         language_ok, details["language"] = check_consistency(parsed.problem, fmt.thoughts, fmt.answer,
                                                              policy_for(cfg.language_window_letters))

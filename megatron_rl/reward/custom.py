@@ -133,9 +133,11 @@ def _checked(spec: str, out: Any) -> RewardBreakdown:
 
     if not isinstance(out, RewardBreakdown):
         raise bad(f"a {type(out).__name__}")
-    for name in ("format_ok", "correct", "language_ok"):
+    for name in ("format_ok", "correct"):
         if not isinstance(getattr(out, name), bool):
             raise bad(f"{name}={getattr(out, name)!r} (not a bool)")
+    if out.language_ok is not None and not isinstance(out.language_ok, bool):  # None: not checked
+        raise bad(f"language_ok={out.language_ok!r} (not a bool or None)")
     for name in ("total", "length_penalty"):
         value = getattr(out, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

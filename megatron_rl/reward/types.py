@@ -62,6 +62,8 @@ class RewardBreakdown:
     """Components of one reward. ``total`` is what the trainer uses; the rest explains it.
 
     format_ok is False -> everything else is 0/False (nothing else was graded).
+    ``language_ok`` None: the language was not checked (``reward.language_check: false``); it is then
+    left out of the reward components, so no metric reads it as a failed check.
     ``status`` "ok": the item was graded, and ``correct`` / ``total`` are its verdict. Any other
     status means grading FAILED and ``total`` (0) is no reward: "sandbox_unavailable" (score: the
     code sandbox could not run, so the program never ran), or, set by the verifier pool, "timeout" /
@@ -71,7 +73,7 @@ class RewardBreakdown:
     format_ok: bool = False
     correct: bool = False
     length_penalty: float = 0.0  # <= 0
-    language_ok: bool = False
+    language_ok: bool | None = False
     total: float = 0.0
     status: Status = "ok"
     num_tokens: int = 0  # response length the length penalty used
@@ -88,11 +90,14 @@ class RewardBreakdown:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def components(self) -> dict[str, float]:
-        """Numeric components (for Rollout.reward_components and metrics)."""
-        return {"format_ok": float(self.format_ok), "correct": float(self.correct),
-                "length_penalty": self.length_penalty, "language_ok": float(self.language_ok),
-                "total": self.total}
+
+COMPONENTS = ("format_ok", "correct", "length_penalty", "language_ok")
+
+
+def reward_components(breakdown: dict[str, Any]) -> dict[str, float]:
+    """The numeric components of a breakdown (its to_dict form, as graded items travel) that a
+    rollout carries into the metrics (`reward/<name>`); an unchecked language (None) is left out."""
+    return {k: float(breakdown[k]) for k in COMPONENTS if breakdown.get(k) is not None}
 
 
 def _str_field(task: dict, key: str, default: str = "") -> str:

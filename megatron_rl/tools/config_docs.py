@@ -44,7 +44,7 @@ FALLBACK = {
     "reward.l_cache": "width of the soft overlong penalty ramp (tokens before l_max)",
     "reward.overlong_penalty": "penalty at and beyond l_max",
     "reward.language_reward": "added when problem, thoughts and answer share one language",
-    "reward.language_check": "grade language consistency at all",
+    "reward.language_check": "grade language consistency at all (false: `language_ok` is null, `reward/language_ok` not logged)",
     "reward.math_timeout_s": "wall-clock limit of grading one math answer (scan of the last box, normalisation, comparison)",
     "reward.code_compile_timeout_s": "C++ compile limit",
     "reward.code_test_timeout_s": "limit per test run (wall and CPU)",

@@ -50,3 +50,27 @@ def test_mismatch_metrics_reach_the_line_and_the_curves(tmp_path):
     writer.write(row)
     writer.close()
     assert plot_run(tmp_path).stat().st_size > 0
+
+
+@pytest.mark.parametrize("language_check", [True, False])
+def test_language_ok_is_logged_only_where_the_language_is_checked(language_check):
+    """With reward.language_check false nothing is checked: reward/language_ok must not read 0.0 (a
+    failed check); a response that fails the format gate does not bring it back."""
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.control.grading import apply_verdict
+    from megatron_rl.reward import score
+
+    cfg = RewardConfig(language_check=language_check)
+    task = {"kind": "math", "answer": "12", "problem": "How many pencils for four dollars at three a dollar?"}
+    good = "<think>Three pencils per dollar, four dollars, twelve pencils.</think>\nSo it is $\\boxed{12}$."
+    rollouts = [_rollout(None, 0.0, [1]), _rollout(None, 0.0, [1])]
+    for rollout, response in zip(rollouts, (good, "no think, no box")):
+        breakdown = score(task, response, cfg, num_tokens=20)
+        assert breakdown.language_ok is (breakdown.format_ok if language_check else None)
+        apply_verdict(rollout, breakdown.to_dict())
+    row = UpdateWindow(graded=rollouts).summary(trainer_version=1, train_metrics={})
+    assert row["reward/format_ok"] == 0.5 and row["reward/correct"] == 0.5
+    if language_check:
+        assert row["reward/language_ok"] == 0.5
+    else:
+        assert "reward/language_ok" not in row

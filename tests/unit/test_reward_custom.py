@@ -91,3 +91,16 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
     assert score(MATH, "so\n56", cfg.reward).total == 0.0
     with pytest.raises(ConfigError, match="installed: last_line"):
         load_config(None, ["reward.custom=first_line"])
+
+
+def test_a_plugin_may_leave_the_language_unchecked(tmp_path):
+    """ctx.builtin() under reward.language_check false says language_ok=None (not checked), and the
+    check of what a plug-in returns lets it through; any other non-bool is still an error."""
+    cfg = RewardConfig(custom="support.reward_plugins:builtin_plus_brevity", language_check=False)
+    out = score(MATH, THINK + "The sum is $\\boxed{55}$.", cfg, 20)
+    assert (out.correct, out.language_ok, out.total) == (True, None, pytest.approx(1.05))
+    plugin = tmp_path / "yes_reward.py"
+    plugin.write_text("from megatron_rl.reward import RewardBreakdown\n\n"
+                      "def yes(task, response, ctx):\n    return RewardBreakdown(format_ok=True, language_ok='yes')\n")
+    with pytest.raises(RewardPluginError, match=r"language_ok='yes' \(not a bool or None\)"):
+        score(MATH, "55", RewardConfig(custom=f"{plugin}:yes"), 5)

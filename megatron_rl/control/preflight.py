@@ -22,7 +22,7 @@ def code_languages(cfg: Config) -> list[str]:
 
     problems = list(iter_problems(cfg.data)) if cfg.data.source in _MAY_HOLD_CODE else []
     if cfg.run.eval_every:  # the evaluation set (data.eval_path) is graded by the same sandbox
-        problems += read_problems(cfg.data.eval_path, cfg.data)
+        problems += read_problems(cfg.data.eval_path, cfg.data, key="data.eval_path")
     return sorted({p.task.get("language", "python") for p in problems if p.task.get("kind") == "code"})
 
 

@@ -57,13 +57,22 @@ def json_object_lines(path: Path) -> Iterator[tuple[int, dict]]:
         yield lineno, row
 
 
-def read_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
+def _not_found(path: str | Path, key: str) -> DataError:
+    """Names the setting the path came from (`key`, e.g. data.path) and where a relative path starts:
+    a user who typed the path on a command line or in a YAML file must find it again."""
+    named = f"{key}: " if key else ""
+    start = "" if Path(path).is_absolute() else f" (relative to {Path.cwd()})"
+    return DataError(f"{named}problem file not found: {path}{start}")
+
+
+def read_jsonl(path: str | Path, cfg: DataConfig | None = None, *, key: str = "") -> list[Problem]:
     """Lines of {"id"?, prompt, "task" | (answer | tests, "kind"?, language?), "lang"?, ...} under the
-    column names of `cfg` (default: prompt or problem, answer, tests, language)."""
+    column names of `cfg` (default: prompt or problem, answer, tests, language). `key`: the setting
+    `path` came from, named when the file does not exist."""
     cfg = cfg if cfg is not None else DataConfig()
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"problem file not found: {path}")
+        raise _not_found(path, key)
     problems = []
     for lineno, row in json_object_lines(path):
         problems.append(problem_from_row(row, f"{path}:{lineno}", f"{path.stem}-{lineno}", cfg))
@@ -72,15 +81,15 @@ def read_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]
     return problems
 
 
-def read_parquet(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
+def read_parquet(path: str | Path, cfg: DataConfig | None = None, *, key: str = "") -> list[Problem]:
     """Rows of a parquet file (or of a glob of them, file by file: each its own schema) through HF
-    datasets, under `cfg`'s column names."""
+    datasets, under `cfg`'s column names (`key` as for read_jsonl)."""
     import glob
 
     cfg = cfg if cfg is not None else DataConfig()
     files = sorted(glob.glob(str(path))) if any(c in str(path) for c in "*?[") else [str(path)]
     if not files or not all(Path(f).is_file() for f in files):
-        raise DataError(f"problem file not found: {path}")
+        raise _not_found(path, key)
     problems = []
     for file in files:
         rows = _parquet_rows(file)
@@ -106,10 +115,10 @@ def _parquet_rows(file: str) -> list[dict]:
         raise DataError(f"{file}: cannot read as parquet: {type(cause).__name__}: {why}") from None
 
 
-def read_problems(path: str | Path, cfg: DataConfig | None = None) -> list[Problem]:
+def read_problems(path: str | Path, cfg: DataConfig | None = None, *, key: str = "") -> list[Problem]:
     """A JSONL or parquet problem file, told apart by its suffix (.parquet, or a glob of them)."""
     reader = read_parquet if str(path).endswith(".parquet") else read_jsonl
-    return reader(path, cfg)
+    return reader(path, cfg, key=key)
 
 
 def reasoning_gym_problems(task: str, size: int, seed: int, **kwargs) -> list[Problem]:
@@ -129,9 +138,9 @@ def reasoning_gym_problems(task: str, size: int, seed: int, **kwargs) -> list[Pr
 def iter_problems(cfg: DataConfig) -> Iterator[Problem]:
     """The configured problem set, in a fixed order (the controller keeps the cursor)."""
     if cfg.source == "jsonl":
-        yield from read_jsonl(cfg.path, cfg)
+        yield from read_jsonl(cfg.path, cfg, key="data.path")
     elif cfg.source == "parquet":
-        yield from read_parquet(cfg.path, cfg)
+        yield from read_parquet(cfg.path, cfg, key="data.path")
     elif cfg.source == "reasoning_gym":
         yield from reasoning_gym_problems(cfg.task, cfg.size, cfg.seed)
     elif cfg.source == "champ":

@@ -4,6 +4,9 @@ the row and the config key."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -130,3 +133,21 @@ def test_prompt_settings_are_checked_at_config_load(tmp_path):
         load_config(None, ["data.chat_template_kwargs=[1]"])
     with pytest.raises(ConfigError, match="data.path: required when source is parquet"):
         load_config(None, ["data.source=parquet"])
+
+
+@pytest.mark.parametrize("key", ["data.path", "data.eval_path"])
+def test_a_missing_problem_file_names_its_key_and_where_relative_paths_start(tmp_path, key):
+    """`megatron-rl train` as a user runs it, from another folder: refused before any rank starts."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "problems.jsonl").write_text('{"prompt": "What is 1+1?", "answer": "2"}\n')
+    paths = {"data.path": "problems.jsonl", "data.eval_path": "problems.jsonl", key: "missing.jsonl"}
+    p = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", str(root / "examples" / "cpu_demo.yaml"),
+                        *(f"{k}={v}" for k, v in paths.items()), f"run.output_dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"{key}: problem file not found: missing.jsonl (relative to {tmp_path})" in p.stderr
+
+
+def test_a_missing_parquet_file_names_data_path(tmp_path):
+    with pytest.raises(DataError, match=r"^data.path: problem file not found: .*missing.parquet$"):
+        list(iter_problems(load_config(None, ["data.source=parquet", f"data.path={tmp_path / 'missing.parquet'}"]).data))

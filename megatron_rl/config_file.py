@@ -121,14 +121,15 @@ _KEY = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 def locate_error(err: ConfigError, path: Path, lines: dict[str, int], overrides: list[str]) -> ConfigError:
     """`err` (which starts with the dotted key) prefixed with `path:line` where the file set that key;
-    unchanged when a command-line override set it (the message names the key the user typed)."""
+    unchanged when a command-line override set it, or names a section on an override's path (a typo in
+    `traner.lr=...`): the message names the key the user typed."""
     msg = str(err)
     match = _KEY.match(msg)
     if match is None:
         return err
     key = match.group(1)
     overridden = {ov.split("=", 1)[0].strip() for ov in overrides}
-    if any(key == o or key.startswith(o + ".") or key.startswith(o + "[") for o in overridden):
+    if any(key == o or key.startswith((o + ".", o + "[")) or o.startswith(key + ".") for o in overridden):
         return err
     probe = key
     while probe and probe not in lines:  # the nearest enclosing key the file sets

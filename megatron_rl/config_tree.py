@@ -112,8 +112,8 @@ def apply_override(root: type, tree: dict, override: str) -> None:
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{key}: {'.'.join(parts[:depth])} is not a section")
         hints = typing.get_type_hints(cls)
-        if name not in hints:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(hints))})")
+        if name not in hints:  # named with the override: a section typo is no key of the YAML file
+            raise ConfigError(f"{key}: unknown key in override {override!r} (known: {', '.join(sorted(hints))})")
         cls = hints[name]
         if depth < len(parts) - 1:
             node = node.setdefault(name, {})

@@ -79,7 +79,8 @@ def test_an_unusable_file_names_the_file(text, words, tmp_path, capsys):
     ("trainer.lr=inf", "trainer.lr", "finite"),
     ("algo.tis_cap=.nan", "algo.tis_cap", "finite"),
     ("rollout.temperature=-.inf", "rollout.temperature", "finite"),
-    ("trainer.lrr=1e-6", "trainer.lrr", "unknown key"),
+    ("trainer.lrr=1e-6", "trainer.lrr", "unknown key in override 'trainer.lrr=1e-6'"),
+    ("traner.lr=1e-6", "traner", "unknown key in override 'traner.lr=1e-6'"),  # a section typo: not the file's
     ("trainer.lr=fast", "trainer.lr", "must be a number"),
     ("rollout.group_size=4.5", "rollout.group_size", "must be an integer"),
     ("trainer.lr=[1", "trainer.lr", "cannot parse"),

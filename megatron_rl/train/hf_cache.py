@@ -52,7 +52,25 @@ def supported_families() -> tuple[str, ...]:
     return tuple(SUPPORTED_MODEL_TYPES)
 
 
+def looks_local(name: str) -> bool:
+    """Whether `name` reads as a path (absolute, ./ ../ ~, a trailing or second slash, or one that exists):
+    a hub id is "org/name", and HF refuses names that start with a dot."""
+    return name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1 or Path(name).exists()
+
+
+def _local_message(name: str, known_names: tuple[str, ...]) -> str:
+    path = Path(name).expanduser().absolute()  # where a relative path was looked for
+    why = ("no such directory" if not path.exists() else
+           "a directory without config.json (an HF model directory holds config.json and *.safetensors)"
+           if path.is_dir() else "a file, neither an HF model directory nor a .gguf file")
+    return (f"model {name!r}: {path}: {why}; a model is {' or '.join(repr(n) for n in known_names)}, a local HF "
+            f"directory or a hub id in the local HF cache")
+
+
 def not_found_message(name: str, known_names: tuple[str, ...]) -> str:
+    """Why `name` resolves to no model: a path-like name as a missing path, anything else as a hub id."""
+    if looks_local(name):
+        return _local_message(name, known_names)
     return (f"model {name!r} is not {' or '.join(repr(n) for n in known_names)}, not a local HF directory with "
             f"config.json, and not a hub id in the local HF cache {hub_cache_dir()} (no downloads here: run "
             f"`huggingface-cli download {name if name.count('/') == 1 else 'ORG/NAME'}` where there is network, "

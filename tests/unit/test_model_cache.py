@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +54,23 @@ def test_missing_or_unsupported_models_list_the_families(hf_home, tiny_llama_dir
                                                    "model_type": "gemma"}))
     with pytest.raises(ModelUnavailable, match="model_type 'gemma'"):
         check_model(load_config(None, [f"trainer.model={local}"]))
+
+
+def test_a_missing_local_path_is_answered_as_a_path_not_a_hub_id(hf_home, tmp_path, monkeypatch):
+    """`megatron-rl train ... trainer.model=./tiny-lama` (a typo of a local folder) as a user runs it."""
+    (tmp_path / "problems.jsonl").write_text('{"prompt": "What is 1+1?", "answer": "2"}\n')
+    config = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+    p = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", str(config), "trainer.model=./tiny-lama",
+                        "data.path=problems.jsonl", "data.eval_path=problems.jsonl", f"run.output_dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"model './tiny-lama': {tmp_path / 'tiny-lama'}: no such directory" in p.stderr, p.stderr
+    assert "huggingface-cli" not in p.stderr
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    cases = {"empty": "a directory without config.json", "problems.jsonl": "a file, neither an HF model directory",
+             "models/org/name": "no such directory", "~/no-such-model": "no such directory"}
+    for name, why in cases.items():
+        with pytest.raises(ModelUnavailable, match=f"^model '{name}': /.*: {why}"):
+            resolve_model(name)

@@ -58,14 +58,14 @@ def gpu_libraries() -> dict:
 def collect() -> dict:
     import torch
 
-    from megatron_rl.platform import ensure_megatron_cpu
+    from megatron_rl.platform import ensure_megatron_shims
 
     versions = {name: _version(name) for name in PACKAGES}
     return {
         "versions": versions,
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "gpu_libraries": gpu_libraries(),
-        "megatron_cpu_shims": ensure_megatron_cpu() if versions["megatron-core"] else [],
+        "megatron_shims": ensure_megatron_shims() if versions["megatron-core"] else [],
         "bubblewrap": shutil.which("bwrap"),
         "sandbox": sandbox("python"),
         "sandbox_cpp": sandbox("cpp") if shutil.which("g++") else {"ok": False, "why": "g++ not installed"},
@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'cuda devices':18s} {info['cuda_devices']}")
     for name, value in info["gpu_libraries"].items():  # none of these lines without a GPU
         print(f"{name:18s} {value or 'MISSING'}")
-    print(f"{'megatron shims':18s} {', '.join(info['megatron_cpu_shims']) or 'none'}")
+    print(f"{'megatron shims':18s} {', '.join(info['megatron_shims']) or 'none'}")
     print(f"{'bubblewrap':18s} {info['bubblewrap'] or 'MISSING'}")
     print(f"{'code sandbox':18s} {_sandbox_line(info['sandbox'])}")
     print(f"{'c++ sandbox':18s} {_sandbox_line(info['sandbox_cpp'])}")

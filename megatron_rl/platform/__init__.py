@@ -1,10 +1,12 @@
 """What a CPU-only machine needs to run the real Megatron-Core and SGLang — and nothing else.
 
-- `megatron_cpu.apply()`: monkeypatches for Megatron-Core on a CPU torch build (see that module).
+- `megatron_cpu.apply()`: monkeypatches for Megatron-Core where the machine lacks what its code
+  assumes: each shim is gated on the missing piece it works around (CUDA, Transformer Engine, a fused
+  Adam, triton), so a GPU without TE takes the TE-less ones and a GPU with TE none (see that module).
 - `sglang_cpu_env()`: environment for an SGLang server process on CPU: the CPU engine switch and the
-  import-only `sgl_kernel` stub on its PYTHONPATH (the stub never enters this process).
-
-Both do nothing when a CUDA device exists, so GPU runs use the libraries untouched.
+  import-only `sgl_kernel` stub on its PYTHONPATH (the stub never enters this process); it adds
+  nothing when a CUDA device exists.
+- `te_available()`: Transformer Engine's layer spec can be used (CUDA and an importable TE).
 - `megatron_kernel_options(use_te, interleaved)`: the Megatron fusion / p2p / init switches this
   machine supports (everything off on CPU-gloo, Megatron's training defaults on CUDA where the kernel
   behind a switch is installed).
@@ -39,8 +41,19 @@ def silence_expected_cpu_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron")
 
 
-def ensure_megatron_cpu() -> list[str]:
-    """Apply the Megatron-Core CPU shims if there is no GPU; returns the names applied."""
+def te_available() -> bool:
+    """Transformer Engine's layer spec can be used here: a CUDA device and an importable TE."""
+    if not has_cuda():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a broken TE install must not take the local path down
+        return False
+    return True
+
+
+def ensure_megatron_shims() -> list[str]:
+    """Apply the Megatron-Core shims this machine needs (megatron_cpu.apply); returns the names applied."""
     from . import megatron_cpu
 
     silence_expected_cpu_warnings()  # before the shims import Megatron-Core's optimizer modules

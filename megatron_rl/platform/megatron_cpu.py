@@ -1,13 +1,17 @@
-"""Shims that let the real Megatron-Core run on a CPU-only torch build with gloo.
+"""Shims that let the real Megatron-Core run where a piece its code assumes is missing.
 
 Megatron-Core assumes CUDA in a handful of places (device queries, RNG tracker, hard-coded
-`device="cuda"` tensors, `.type() == "torch.cuda.FloatTensor"` asserts, streams). Each shim below
-redirects exactly one of those to the CPU. Every shim carries a `needed` probe that inspects the
-upstream code it works around; `tests/unit/test_platform.py` asserts each probe still holds, so an
-upstream change that makes a shim obsolete (or moves the problem) fails loudly instead of silently.
+`device="cuda"` tensors, `.type() == "torch.cuda.FloatTensor"` asserts, streams), and a few more
+assume Transformer Engine or a fused Adam (the local torch norm refuses sequence parallel, the MoE
+router reads a TE-only name, DistributedOptimizer checkpoints expect apex/TE Adam's state). Each
+shim below works around exactly one of those and is gated (`when`) on the missing piece itself, not
+on "no CUDA": a GPU without TE (MEGATRON_RL_GPU_TE=0) takes the TE-less shims and none of the CUDA
+ones. Every shim also carries a `needed` probe that inspects the upstream code it works around;
+`tests/unit/test_platform.py` asserts each probe still holds, so an upstream change that makes a
+shim obsolete (or moves the problem) fails loudly instead of silently.
 
 Nothing else in the package patches third-party code. Call `apply()` (idempotent) before building
-Megatron models; it does nothing when a CUDA device exists.
+Megatron models.
 """
 from __future__ import annotations
 
@@ -28,8 +32,28 @@ from torch.overrides import TorchFunctionMode
 class Shim:
     name: str
     why: str
+    when: Callable[[], bool]  # this machine lacks the piece the upstream code assumes (CUDA, TE, ...)
     needed: Callable[[], bool]  # True while the upstream behaviour it works around is present
     apply: Callable[[], None]
+
+
+def _no_cuda() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _no_triton() -> bool:
+    return importlib.util.find_spec("triton") is None
+
+
+def _te_not_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is None
+
+
+def _local_spec() -> bool:
+    # the local (torch) layer spec is what build_model takes whenever TE's spec cannot be used
+    from megatron_rl.platform import te_available
+
+    return not te_available()
 
 
 def _source_contains(module: str, text: str) -> bool:
@@ -46,8 +70,6 @@ _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
 def _paged_stash_needs_stub() -> bool:
     # Decided from metadata: importing any megatron.core module here would already hit triton.
-    if importlib.util.find_spec("triton") is not None:
-        return False
     try:
         version = importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
@@ -235,46 +257,49 @@ def _bind_moe_router_gemm() -> None:
 
 SHIMS: tuple[Shim, ...] = (
     Shim("paged_stash_stub", "megatron-core 0.19 imports triton via the MoE paged stash",
-         _paged_stash_needs_stub, _stub_paged_stash),
-    Shim("current_device", "torch.cuda.current_device() used for tensor placement",
+         _no_triton, _paged_stash_needs_stub, _stub_paged_stash),
+    Shim("current_device", "torch.cuda.current_device() used for tensor placement", _no_cuda,
          lambda: _source_contains("megatron.core.models.common.embeddings.rotary_pos_embedding",
                                   "torch.cuda.current_device()"),
          _patch_current_device),
-    Shim("rng_tracker", "model-parallel RNG tracker forks the CUDA generator",
+    Shim("rng_tracker", "model-parallel RNG tracker forks the CUDA generator", _no_cuda,
          lambda: _source_contains("megatron.core.tensor_parallel.random", "torch.cuda.get_rng_state"),
          _patch_rng),
-    Shim("cuda_to_cpu_mode", 'hard-coded device="cuda" tensors and torch.cuda.FloatTensor asserts',
+    Shim("cuda_to_cpu_mode", 'hard-coded device="cuda" tensors and torch.cuda.FloatTensor asserts', _no_cuda,
          lambda: _source_contains("megatron.core.pipeline_parallel.schedules", 'device="cuda"')
          and _source_contains("megatron.core.optimizer.clip_grads", "torch.cuda.FloatTensor"),
          _enter_cuda_to_cpu_mode),
-    Shim("sync_and_streams", "torch.cuda.synchronize after batched p2p, streams in DDP",
+    Shim("sync_and_streams", "torch.cuda.synchronize after batched p2p, streams in DDP", _no_cuda,
          lambda: _source_contains("megatron.core.pipeline_parallel.p2p_communication",
                                   "torch.cuda.synchronize()"),
          _patch_sync_and_streams),
-    Shim("distopt_torch_adam", "DistributedOptimizer checkpoints with torch Adam (no apex/TE)",
-         lambda: _fused_adam_absent() and _source_contains(
-             "megatron.core.optimizer.distrib_optimizer", "_init_optimizer_states_with_dummy_values"),
+    Shim("distopt_torch_adam", "DistributedOptimizer checkpoints with torch Adam (no apex/TE)", _fused_adam_absent,
+         lambda: _source_contains("megatron.core.optimizer.distrib_optimizer",
+                                  "_init_optimizer_states_with_dummy_values"),
          _patch_distopt_torch_adam),
-    Shim("torch_norm_sequence_parallel", "local torch norm rejects sequence_parallel",
+    Shim("torch_norm_sequence_parallel", "local torch norm rejects sequence_parallel", _local_spec,
          lambda: _source_contains("megatron.core.transformer.torch_norm", "sequence parallel"),
          _patch_torch_norm_sequence_parallel),
     Shim("moe_router_gemm", "MoE router gating reads te_general_gemm, unbound without Transformer Engine",
-         _moe_router_gemm_unbound, _bind_moe_router_gemm),
+         _te_not_installed, _moe_router_gemm_unbound, _bind_moe_router_gemm),
 )
 
 _APPLIED: list[str] = []
 
 
-def apply(force: bool = False) -> list[str]:
-    """Apply every needed shim when no CUDA device exists; returns the names applied (idempotent)."""
-    if torch.cuda.is_available() and not force:
-        return []
+def wanted() -> list[Shim]:
+    """The shims this machine needs: its gate holds (the piece is missing) and the upstream code still
+    has the behaviour (`needed`); the gate is asked first, so a GPU with TE imports nothing extra."""
+    return [shim for shim in SHIMS if shim.when() and shim.needed()]
+
+
+def apply() -> list[str]:
+    """Apply every shim this machine needs (`wanted`); returns the names applied (idempotent)."""
     if _APPLIED:
         return list(_APPLIED)
-    for shim in SHIMS:
-        if shim.needed():
-            shim.apply()
-            _APPLIED.append(shim.name)
+    for shim in wanted():
+        shim.apply()
+        _APPLIED.append(shim.name)
     return list(_APPLIED)
 
 

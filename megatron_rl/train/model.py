@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.platform import has_cuda, te_available
+
 from .moe import MOE_MODEL_TYPES, MoeDims, moe_config_kwargs, moe_dims, reduce_expert_grads_over_expert_dp
 from .parallel import ParallelLayout
 
@@ -228,16 +230,6 @@ def _window_layers(hf_config) -> tuple[int, ...] | None:
     return tuple(int(t == "sliding_attention") for t in types)
 
 
-def te_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # a broken TE install must not take the local path down
-        return False
-    return True
-
-
 def _megatron_applies_yarn_mscale() -> bool:
     """Whether Megatron's attention scales q/k by the YaRN concentration factor itself (0.16 does,
     from the yarn_* config attributes); otherwise it is folded into the softmax scale."""
@@ -367,6 +359,11 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
             rope_scaling=rope.kind == "llama3", rope_scaling_factor=rope.factor,
             seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
             vp_stage=vp_stage)
+        if has_cuda():
+            # the local spec's torch norms are built on the CPU (torch_norm.WrappedTorchNorm passes no
+            # device); Megatron-LM's get_model moves every chunk the same way. Without it a chunk DDP
+            # never re-homes (the KL reference, distributed_optimizer: false) fails at its first forward
+            chunk.cuda(torch.cuda.current_device())
         chunk.mrl_dims = dims
         chunk.mrl_vp_stage = vp_stage
         if dims.moe:  # before DDP wraps the chunk: it groups the grads by this mark

@@ -8,7 +8,7 @@ API:
   and residual stream over the TP ranks; it changes no group, only the model's TransformerConfig.
 - `init_parallel(layout, backend=None, seed=1234) -> ParallelLayout`: starts torch.distributed if
   it is not running (env:// when launched by torchrun/srun-style env vars, else a 1-rank group on a
-  free loopback port), applies the CPU shims when there is no GPU, initialises Megatron's
+  free loopback port), applies the Megatron shims this machine needs (platform/), initialises Megatron's
   `parallel_state` and seeds the model-parallel RNG tracker. Backend: "nccl" on GPU, "gloo" on CPU.
   `dp=None`-style inference: pass `dp=0` to let it be `world_size // (tp * pp)`.
 - `destroy_parallel(destroy_process_group=False)`: tears Megatron's groups down (and optionally the
@@ -79,13 +79,12 @@ def default_backend() -> str:
 
 def init_parallel(layout: ParallelLayout, backend: str | None = None, seed: int = 1234) -> ParallelLayout:
     """Initialise torch.distributed (if needed) and Megatron parallel state; returns the resolved layout."""
-    from megatron_rl.platform import ensure_megatron_cpu
+    from megatron_rl.platform import ensure_megatron_shims
 
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
-    if not torch.cuda.is_available():
-        ensure_megatron_cpu()
+    ensure_megatron_shims()  # the CPU ones without CUDA, the TE-less ones on a GPU without TE
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -84,9 +84,9 @@ def run_case(case: dict, out: Path) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    from megatron_rl.platform import ensure_megatron_cpu
+    from megatron_rl.platform import ensure_megatron_shims
 
-    ensure_megatron_cpu()
+    ensure_megatron_shims()
     cases = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     for case in cases:

@@ -24,7 +24,7 @@ def _expected_shims() -> set[str]:
     names = {"current_device", "rng_tracker", "cuda_to_cpu_mode", "sync_and_streams",
              "distopt_torch_adam", "torch_norm_sequence_parallel"}
     major, minor = (int(x) for x in MCORE.split(".")[:2])
-    if (major, minor) >= (0, 19) and importlib.util.find_spec("triton") is None:
+    if (major, minor) >= (0, 19):
         names.add("paged_stash_stub")
     if importlib.util.find_spec("transformer_engine") is None:
         names.add("moe_router_gemm")
@@ -40,6 +40,36 @@ def test_every_upstream_behaviour_a_shim_works_around_is_still_there():
     assert out.returncode == 0, out.stderr
     needed = set(out.stdout.strip().split(",")) - {""}
     assert needed == _expected_shims(), f"megatron-core {MCORE}: needed={needed}"
+
+
+# What a machine lacks, as the gates read it: CUDA (torch), TE (importable), apex. The subprocess fakes
+# a CUDA device (and, for "te", an importable transformer_engine) before asking which shims it wants.
+_GATES = """
+    import importlib.machinery, sys, types, torch
+    torch.cuda.is_available = lambda: {cuda}
+    if {te}:
+        te = types.ModuleType("transformer_engine")
+        te.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+        sys.modules["transformer_engine"] = te
+    from megatron_rl.platform import megatron_cpu
+    print(",".join(s.name for s in megatron_cpu.wanted()))
+"""
+_CUDA_SHIMS = {"current_device", "rng_tracker", "cuda_to_cpu_mode", "sync_and_streams"}
+_TE_LESS_SHIMS = {"distopt_torch_adam", "torch_norm_sequence_parallel", "moe_router_gemm"}
+
+
+def _wanted(cuda: bool, te: bool) -> set[str]:
+    out = _run(_GATES.format(cuda=cuda, te=te))
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.strip().split(",")) - {"", "paged_stash_stub"}  # that one follows triton
+
+
+def test_each_shim_is_gated_on_what_it_works_around_not_on_cuda():
+    # a GPU without TE (MEGATRON_RL_GPU_TE=0): the local norm under sequence parallel, torch Adam in
+    # DistributedOptimizer checkpoints and the MoE router still need their shims; nothing CUDA-shaped
+    assert _wanted(cuda=True, te=False) == _TE_LESS_SHIMS
+    assert _wanted(cuda=True, te=True) == set()  # TE's spec, TE's FusedAdam: the libraries untouched
+    assert _wanted(cuda=False, te=False) == _CUDA_SHIMS | _TE_LESS_SHIMS
 
 
 def test_megatron_gpt_fails_without_shims_and_runs_with_them():
@@ -73,7 +103,7 @@ def test_megatron_gpt_fails_without_shims_and_runs_with_them():
     env = dict(__import__("os").environ, PYTHONPATH=str(__import__("pathlib").Path(__file__).parents[1]))
     raw = _run(build.format(apply=""), env=env)
     assert raw.returncode != 0, "Megatron ran on CPU without shims: upstream changed, revisit platform/"
-    shimmed = _run(build.format(apply="from megatron_rl.platform import ensure_megatron_cpu; ensure_megatron_cpu()"),
+    shimmed = _run(build.format(apply="from megatron_rl.platform import ensure_megatron_shims; ensure_megatron_shims()"),
                    env=env)
     assert shimmed.returncode == 0, shimmed.stderr[-3000:]
     assert "OK (2, 8, 64) cpu" in shimmed.stdout

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rl.platform import ensure_megatron_cpu
+from megatron_rl.platform import ensure_megatron_shims
 
-ensure_megatron_cpu()
+ensure_megatron_shims()
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402

@@ -28,10 +28,13 @@ def code_languages(cfg: Config) -> list[str]:
 
 def check_model(cfg: Config) -> None:
     """ModelUnavailable (one line) when trainer.model cannot be found here (no downloads) or is of a
-    family the trainer does not build; the supported ones are listed."""
+    family the trainer does not build (the supported ones are listed); ConfigError when
+    trainer.precision has no attention under the layer spec this machine gives the trainers."""
     from megatron_rl.train.hf_cache import check_family
     from megatron_rl.train.hf_source import resolve_model
+    from megatron_rl.train.model import check_precision
 
+    check_precision(cfg.trainer.precision)
     source = resolve_model(cfg.trainer.model)
     if not source.gguf_file:  # the shipped GGUF model is a Llama
         check_family(source.path)

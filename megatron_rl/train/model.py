@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.config import ConfigError
 from megatron_rl.platform import has_cuda, te_available
 
 from .moe import MOE_MODEL_TYPES, MoeDims, moe_config_kwargs, moe_dims, reduce_expert_grads_over_expert_dp
@@ -228,6 +229,19 @@ def _window_layers(hf_config) -> tuple[int, ...] | None:
     if all(t == "sliding_attention" for t in types):
         return None
     return tuple(int(t == "sliding_attention") for t in types)
+
+
+def check_precision(precision: str, use_te: bool | None = None) -> None:
+    """ConfigError naming trainer.precision when the layer spec (`use_te`, default: as build_model
+    picks it) has no attention for that precision on packed sequences. Transformer Engine's flash and
+    fused attention take fp16/bf16 only; its one fp32 backend, the unfused one, pads the packed (THD)
+    micro-batch back to one row per sequence with an fp32 [seq, seq] score matrix per head, and has
+    no context parallel at all. The local spec (no TE) runs fp32 through SegmentCausalAttention."""
+    use_te = te_available() if use_te is None else use_te
+    if precision == "fp32" and use_te:
+        raise ConfigError("trainer.precision: fp32 with Transformer Engine: TE has no fp32 flash/fused "
+                          "attention for packed sequences; use bf16, or for fp32 a GPU install without TE "
+                          "(MEGATRON_RL_GPU_TE=0)")
 
 
 def _megatron_applies_yarn_mscale() -> bool:

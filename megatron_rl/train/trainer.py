@@ -46,10 +46,11 @@ class Trainer:
     def __init__(self, config: Config, *, hf_config=None, load_weights: bool = True,
                  keep_checkpoints: int | None = None, backend: str | None = None):
         from megatron_rl.train.hf_source import resolve_model
-        from megatron_rl.train.model import Recompute, build_model, te_available
+        from megatron_rl.train.model import Recompute, build_model, check_precision, te_available
 
         self.config = config
         t = config.trainer
+        check_precision(t.precision)  # before any process group: the whole trainer world would wait on it
         self.layout = init_parallel(ParallelLayout(t.tensor_parallel, t.pipeline_parallel, t.data_parallel,
                                                    t.virtual_pipeline, t.sequence_parallel,
                                                    cp=t.context_parallel, ep=t.expert_parallel),

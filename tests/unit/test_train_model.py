@@ -160,3 +160,27 @@ def test_resolve_model_errors(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="HF directory"):
         resolve_model(tmp_path / "nope")
+
+
+def test_fp32_under_transformer_engine_is_refused_before_any_rank_starts(monkeypatch):
+    """TE has no fp32 flash/fused attention for packed (THD) micro-batches: refused by the launcher's
+    preflight and by the Trainer before init_parallel, naming trainer.precision; bf16 and the local
+    spec (a GPU without TE, the CPU) pass."""
+    from megatron_rl.config import Config, ConfigError
+    from megatron_rl.control.preflight import check_model
+    from megatron_rl.train import model, trainer
+    from megatron_rl.train.trainer import Trainer
+
+    model.check_precision("fp32", use_te=False)
+    model.check_precision("bf16", use_te=True)
+    monkeypatch.setattr(model, "te_available", lambda: True)  # the one machine fact: TE's spec is used
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("the trainer world was started before the refusal")
+
+    monkeypatch.setattr(trainer, "init_parallel", no_world)
+    cfg = Config()
+    cfg.trainer.precision = "fp32"
+    for refuse in (check_model, Trainer):
+        with pytest.raises(ConfigError, match=r"^trainer\.precision: fp32 with Transformer Engine.*bf16"):
+            refuse(cfg)

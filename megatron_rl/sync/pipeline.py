@@ -30,6 +30,15 @@ from megatron_rl.sync.buckets import Bucket, TensorMeta, as_bytes, bucket_size, 
 _DONE = object()
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`device` with its index: torch.device("cuda") never equals a tensor's cuda:N, so an index-less
+    send device would never take the zero-copy path (nor match a pool made with the index)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _settle(device: torch.device) -> None:
     """Wait for what this thread queued on `device` (copies, stream waits on a collective)."""
     if device.type == "cuda":
@@ -51,8 +60,8 @@ class BufferPool:
     pushes (a `WeightSender` does): on CPU a fresh buffer costs its page faults, measured at 5-6x
     the copy into it (docs/rollout.md), on every bucket or at least every push."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device | str):
+        self.device = resolve_device(device)
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -78,7 +87,7 @@ class BucketStream:
                  first_bucket_bytes: int | None = None):
         if buffers < 2:
             raise ValueError(f"a double-buffered stream needs >= 2 buffers, got {buffers}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         if pool is not None and pool.device != self.device:
             raise ValueError(f"buffer pool on {pool.device}, stream on {self.device}")
         self._named, self._bucket_bytes, self._first = named, bucket_bytes, first_bucket_bytes
@@ -150,7 +159,7 @@ def receive_buckets(group: dist.ProcessGroup, manifests: Iterable[list[TensorMet
 
     Double buffered: bucket k+1's broadcast is in flight while bucket k is copied out, so at most
     two buffers exist: the one being received, the one being copied out."""
-    device = torch.device(device)
+    device = resolve_device(device)
     buffers = pool or BufferPool(device)
     pending: tuple | None = None
     total = 0

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_rl.rollout.client import SGLangClient
 from megatron_rl.sync.buckets import Bucket, ramp_start
 from megatron_rl.sync.group import close_update_group, default_backend, open_update_group
-from megatron_rl.sync.pipeline import BucketStream, BufferPool
+from megatron_rl.sync.pipeline import BucketStream, BufferPool, resolve_device
 
 
 class WeightSyncError(RuntimeError):
@@ -79,7 +79,7 @@ class WeightSender:
         self.sender_rank = sender_rank
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.backend = backend or default_backend()
-        self.device = torch.device(device or ("cuda" if self.backend == "nccl" else "cpu"))
+        self.device = resolve_device(device or ("cuda" if self.backend == "nccl" else "cpu"))
         self.retries = retries
         self.timeout_s = broadcast_timeout_s
         self.group_prefix = group_prefix

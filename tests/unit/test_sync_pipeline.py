@@ -133,3 +133,17 @@ def test_pool_kept_across_pushes_reuses_its_buffers_and_stays_exact():
     assert {p for _, _, p in pushes[1]} - own <= {p for _, _, p in pushes[0]} - own  # no new buffers
     with pytest.raises(ValueError, match="pool"):
         BucketStream(named, BUCKET, device="meta", pool=pool)
+
+
+def test_an_index_less_cuda_send_device_takes_the_current_gpu(monkeypatch):
+    """A sender on "cuda" must compare equal to its tensors' cuda:N, else a one-tensor bucket is never
+    sent from the tensor's own storage (the zero-copy path) on a GPU. CPU: the current device is faked."""
+    from megatron_rl.sync.pipeline import BufferPool, resolve_device
+    from megatron_rl.sync.sender import SyncTarget, WeightSender
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda:3") == resolve_device(torch.device("cuda", 3))
+    assert resolve_device("cuda:1") == torch.device("cuda:1") and resolve_device("cpu") == torch.device("cpu")
+    sender = WeightSender(0, [SyncTarget("http://127.0.0.1:1")], backend="nccl")
+    assert sender.device == torch.device("cuda:3")  # what a tensor on the trainer's GPU reports
+    assert BucketStream(iter([]), BUCKET, "cuda", pool=BufferPool("cuda")).device == torch.device("cuda:3")

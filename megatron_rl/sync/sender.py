@@ -12,6 +12,13 @@ SGLang's scheduler receives one bucket at a time, in the order update requests r
 senders sharing two multi-generator groups could be served in opposite orders by two generators
 and deadlock; a pair group can only wait on its own sender.
 
+Connecting (`connect`): the groups are opened one at a time, each proven at once by one 4-byte
+broadcast the server joins (a tensor every supported SGLang model's load_weights skips), bounded by
+the timeout. NCCL sets a communicator up inside its first collective and blocks there until every
+member joins: done here, before the bucket stream's producer runs its TP/EP all-gathers and one group
+at a time, no two communicators are set up at once on the GPU, and a server that never joins is
+named after the timeout instead of hanging the push.
+
 Per bucket and generator: POST the manifest (SGLang then joins a broadcast on the pair group) and
 broadcast the flat bytes. A bucket the server reports as not loaded is re-sent up to `retries`
 times (loading is idempotent); after that, or if the server never joined the broadcast, the send
@@ -20,6 +27,7 @@ raises `WeightSyncError`. Weights are stamped with a version only by the coordin
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +39,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.client import SGLangClient
-from megatron_rl.sync.buckets import Bucket, ramp_start
+from megatron_rl.sync.buckets import Bucket, flatten, ramp_start
 from megatron_rl.sync.group import close_update_group, default_backend, open_update_group
 from megatron_rl.sync.pipeline import BucketStream, BufferPool, resolve_device
 
 
 class WeightSyncError(RuntimeError):
     """A weight update failed or was partial; the generators were left paused, not half-updated."""
+
+
+# The connecting broadcast's one tensor: SGLang's load_weights of every family the trainer builds skips
+# a name holding "rotary_emb.inv_freq" (models/llama.py, which mistral.py extends, qwen2, qwen3,
+# qwen3_moe, mixtral), so the server joins the broadcast and loads nothing.
+HANDSHAKE_NAME = "model.rotary_emb.inv_freq"
 
 
 @dataclass(frozen=True)
@@ -104,11 +118,39 @@ class WeightSender:
         self._links = links
 
     def connect(self) -> None:
-        """Open the missing groups (one per generator)."""
+        """Open the missing groups (one per generator), one at a time, each connected by its first
+        broadcast before the next is opened (module docstring)."""
         for link in self._links:
             if link.pg is None:
                 link.pg = open_update_group(link.client, link.group_name, link.target.tp_size, self.backend,
                                             address=self.address, timeout_s=self.timeout_s)
+                self._handshake(link)
+
+    def _handshake(self, link: _Link) -> None:
+        """The group's first broadcast, within timeout_s even where the broadcast call itself blocks
+        (NCCL's communicator set-up waits for every member inside it): run in a daemon thread."""
+        bucket = flatten([(HANDSHAKE_NAME, torch.zeros(1, device=self.device))])
+        what = f"the first broadcast on update group {link.group_name} (connecting it)"
+        outcome: queue.Queue = queue.Queue()
+
+        def run() -> None:
+            try:
+                outcome.put(self._post_and_broadcast(link, bucket, what))
+            except BaseException as e:
+                outcome.put(e)
+
+        threading.Thread(target=run, daemon=True, name=f"connect-{link.group_name}").start()
+        try:
+            # _post_and_broadcast bounds itself by timeout_s, then waits up to 5 s for the broadcast
+            answer = outcome.get(timeout=self.timeout_s + 10)
+        except queue.Empty:
+            answer = TimeoutError(f"no answer in {self.timeout_s:.0f} s")
+        if isinstance(answer, WeightSyncError):
+            raise answer
+        if isinstance(answer, BaseException) or not answer.get("success"):
+            link.pg = None
+            raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: {what} failed; the server "
+                                  f"did not join it (its log says why): {str(answer)[:400]}")
 
     def close(self) -> None:
         for link in self._links:
@@ -138,14 +180,14 @@ class WeightSender:
 
     def _send_bucket(self, link: _Link, bucket: Bucket) -> int:
         for attempt in range(self.retries + 1):
-            answer = self._post_and_broadcast(link, bucket)
+            answer = self._post_and_broadcast(link, bucket, f"broadcast of bucket [{bucket.names[0]} ..]")
             if isinstance(answer, dict) and answer.get("success"):
                 return attempt
         raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: bucket "
                               f"[{bucket.names[0]} .. {bucket.names[-1]}] not loaded after "
                               f"{self.retries + 1} attempts: {str(answer)[:400]}")
 
-    def _post_and_broadcast(self, link: _Link, bucket: Bucket) -> object:
+    def _post_and_broadcast(self, link: _Link, bucket: Bucket, what: str) -> object:
         result: list[object] = []
 
         def post() -> None:
@@ -167,8 +209,8 @@ class WeightSender:
             ok, answer = False, answer if isinstance(answer, BaseException) else e
         if not ok:
             link.pg = None  # the group is out of step with the server: unusable
-            raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: broadcast of bucket "
-                                  f"[{bucket.names[0]} ..] did not complete: {answer}")
+            raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: {what} did not complete: "
+                                  f"{answer}")
         if isinstance(answer, BaseException):
             raise WeightSyncError(f"sender {self.sender_rank} -> {link.target.url}: {answer}") from answer
         return answer

@@ -32,6 +32,9 @@ class TrainerPlace:
 
 
 def _setup_dist_env(place: TrainerPlace) -> None:
+    from megatron_rl.platform import pin_nccl_cumem
+
+    pin_nccl_cumem(os.environ)  # before this process's first NCCL communicator: NCCL reads it once
     os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world), LOCAL_RANK=str(place.gpu),
                       MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
 

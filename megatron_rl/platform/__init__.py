@@ -7,6 +7,7 @@
   import-only `sgl_kernel` stub on its PYTHONPATH (the stub never enters this process); it adds
   nothing when a CUDA device exists.
 - `te_available()`: Transformer Engine's layer spec can be used (CUDA and an importable TE).
+- `pin_nccl_cumem(env)`: the one NCCL_CUMEM_ENABLE of every member of a weight-update group.
 - `megatron_kernel_options(use_te, interleaved)`: the Megatron fusion / p2p / init switches this
   machine supports (everything off on CPU-gloo, Megatron's training defaults on CUDA where the kernel
   behind a switch is installed).
@@ -17,6 +18,7 @@ import importlib.util
 import os
 import warnings
 from pathlib import Path
+from typing import MutableMapping
 
 import torch
 
@@ -60,11 +62,26 @@ def ensure_megatron_shims() -> list[str]:
     return megatron_cpu.apply()
 
 
+# SGLang's server sets NCCL_CUMEM_ENABLE=0 for itself when it is unset (entrypoints/engine.py,
+# _set_envs_and_config) while NCCL's own default is 1, and NCCL reads it once per process: a trainer
+# left at the default would set up its update-group communicator with the server under the other
+# memory scheme (what broke NCCL weight sync against vLLM's same default: SkyRL PR 143). One value for
+# every member: the job's, when its environment sets one, else SGLang's.
+NCCL_CUMEM_DEFAULT = "0"
+
+
+def pin_nccl_cumem(env: MutableMapping[str, str]) -> str:
+    """Set NCCL_CUMEM_ENABLE in `env` (a server's environment, or a trainer's os.environ before its
+    first NCCL communicator) to the value every member of a weight-update group uses; returns it."""
+    return env.setdefault("NCCL_CUMEM_ENABLE", NCCL_CUMEM_DEFAULT)
+
+
 def sglang_cpu_env(base: dict[str, str] | None = None, tp_size: int = 1) -> dict[str, str]:
     """Environment for launching an SGLang server; CPU additions only when there is no GPU."""
     env = dict(os.environ if base is None else base)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    pin_nccl_cumem(env)
     if has_cuda():
         return env
     env["SGLANG_USE_CPU_ENGINE"] = "1"

@@ -215,3 +215,23 @@ def test_yarn_rope_never_takes_the_fused_rope(monkeypatch):
                         lambda self: None)
     assert transformer_config(yarn, ParallelLayout(), use_te=True).apply_rope_fusion is False
     assert transformer_config(dims, ParallelLayout(), use_te=True).apply_rope_fusion is True
+
+
+def test_trainer_and_server_of_an_update_group_get_one_nccl_cumem_setting(monkeypatch):
+    """SGLang sets NCCL_CUMEM_ENABLE=0 in its server when unset, NCCL defaults to 1: the trainer rank
+    (before its first communicator) and the server's environment take the same value, the job's when set."""
+    import os
+
+    from megatron_rl.control.trainer_worker import TrainerPlace, _setup_dist_env
+
+    place = TrainerPlace(0, 1, 0, "127.0.0.1", "127.0.0.1", 29500)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(var, "")  # restored after the test: _setup_dist_env writes them
+    for job in (None, "1", "0"):
+        if job is None:
+            monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+        else:
+            monkeypatch.setenv("NCCL_CUMEM_ENABLE", job)
+        server = sglang_cpu_env()["NCCL_CUMEM_ENABLE"]
+        _setup_dist_env(place)
+        assert os.environ["NCCL_CUMEM_ENABLE"] == server == (job or "0")

@@ -15,6 +15,10 @@ pure, so every rank computes the same answer from the same list and no broadcast
 
 Who uses what: the trainers rendezvous on the first trainer's address (MASTER_ADDR); each SGLang server
 listens on its node's address; a weight-update group rendezvouses on its sender's (a trainer's) address.
+The collectives' own connections follow the same setting: with `MEGATRON_RL_NODE_ADDR` set, each rank
+exports the interface holding that address as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (unless the
+job sets them), for its own groups and the servers it starts; gloo would otherwise bind what the
+hostname resolves to, the very address the override is there to avoid.
 
 GPUs (`assign_gpus`): on each node, the ranks that own GPUs take them in local-rank order, a trainer
 one, a generator `generator.tp_size` consecutive ones; the controller and verifiers take none. That
@@ -27,7 +31,7 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, MutableMapping, Sequence
 
 from megatron_rl.control.layout import Role
 
@@ -36,6 +40,7 @@ LOCAL_RANK_VAR = "MEGATRON_RL_LOCAL_RANK"
 # in priority order: the explicit override first, then what the launchers set
 LOCAL_RANK_VARS = (LOCAL_RANK_VAR, "SLURM_LOCALID", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
 LOOPBACK = "127.0.0.1"
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the interface gloo and NCCL connect through
 
 
 class NodeEnvError(ValueError):
@@ -52,6 +57,7 @@ class NodeProbe:
     overridden: bool
     local_rank: int | None
     error: str | None = None
+    ifname: str | None = None  # the interface holding an overridden address (None without the override)
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,40 @@ def addr_override(env: Mapping[str, str]) -> str | None:
     return str(ip)
 
 
+def interface_of(addr: str, interfaces: Mapping[str, list] | None = None) -> str | None:
+    """The network interface of this node holding `addr` (psutil.net_if_addrs() by default): the one
+    with that exact address, else an IPv4 one whose network contains it (a loopback alias such as
+    127.0.0.2 lives on lo); None when no interface has it."""
+    import psutil
+
+    interfaces = psutil.net_if_addrs() if interfaces is None else interfaces
+    ip = ipaddress.ip_address(addr)
+    within = []
+    for name, addrs in interfaces.items():
+        for a in addrs:
+            if a.family == socket.AF_INET6 and ipaddress.ip_address(a.address.split("%")[0]) == ip:
+                return name
+            if a.family != socket.AF_INET:
+                continue
+            if ipaddress.ip_address(a.address) == ip:
+                return name
+            if a.netmask and ip in ipaddress.ip_interface(f"{a.address}/{a.netmask}").network:
+                within.append(name)
+    return within[0] if within else None
+
+
+def export_interface(probe: NodeProbe, env: MutableMapping[str, str] | None = None) -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME from the interface of the overridden node address, for
+    this rank and every process it starts; a value the job set itself wins."""
+    env = os.environ if env is None else env
+    if probe.ifname:
+        for var in IFNAME_VARS:
+            env.setdefault(var, probe.ifname)
+
+
 def probe_node(env: Mapping[str, str] | None = None, hostname: str | None = None,
-               resolve: Callable[[str], str] = socket.gethostbyname) -> NodeProbe:
+               resolve: Callable[[str], str] = socket.gethostbyname,
+               find_interface: Callable[[str], str | None] = interface_of) -> NodeProbe:
     env = os.environ if env is None else env
     hostname = hostname or socket.gethostname()
     try:
@@ -98,7 +136,11 @@ def probe_node(env: Mapping[str, str] | None = None, hostname: str | None = None
     except NodeEnvError as e:
         return NodeProbe(hostname, None, False, None, str(e))
     if addr is not None:
-        return NodeProbe(hostname, addr, True, local_rank)
+        ifname = find_interface(addr)
+        if ifname is None:  # nothing here could bind it: servers, stores and gloo would all fail later
+            return NodeProbe(hostname, None, False, None,
+                             f"{ADDR_VAR}={addr}: no network interface of this node holds that address")
+        return NodeProbe(hostname, addr, True, local_rank, ifname=ifname)
     try:
         resolved = resolve(hostname)
     except OSError:
@@ -158,5 +200,9 @@ def check_gpus_exist(gpus: Sequence[int], visible: int, rank: int, role: str) ->
 
 
 def gather_nodes(comm) -> list[NodeInfo]:
-    """Collective over `comm`: every rank's NodeInfo, indexed by rank."""
-    return assign_nodes(comm.allgather(probe_node()))
+    """Collective over `comm`: every rank's NodeInfo, indexed by rank; then this rank exports the
+    interface of its node address for gloo and NCCL (export_interface)."""
+    probe = probe_node()
+    nodes = assign_nodes(comm.allgather(probe))
+    export_interface(probe)
+    return nodes

@@ -73,3 +73,46 @@ def test_probe_carries_errors_instead_of_raising():
     # a rank that raised before the allgather would leave the others waiting in it forever
     p = probe_node({"SLURM_LOCALID": "two"}, hostname="a", resolve=_resolve({"a": "10.0.0.1"}))
     assert isinstance(p, NodeProbe) and p.error and "SLURM_LOCALID" in p.error
+
+
+class _Addr:  # psutil's snicaddr, as net_if_addrs lists it
+    def __init__(self, family, address, netmask=None):
+        self.family, self.address, self.netmask = family, address, netmask
+
+
+_NODE = {"lo": [_Addr(socket.AF_INET, "127.0.0.1", "255.0.0.0"), _Addr(socket.AF_INET6, "::1")],
+         "eth0": [_Addr(socket.AF_INET, "10.1.0.5", "255.255.0.0")],
+         "ib0": [_Addr(socket.AF_INET, "10.2.0.5", "255.255.0.0"), _Addr(socket.AF_INET6, "fe80::5%ib0")]}
+
+
+@pytest.mark.parametrize("addr,ifname", [("10.2.0.5", "ib0"), ("10.1.0.5", "eth0"), ("fe80::5", "ib0"),
+                                         ("127.0.0.3", "lo"),  # a loopback alias: inside lo's network
+                                         ("10.1.0.9", "eth0"), ("192.168.0.1", None)])
+def test_interface_of_an_address(addr, ifname):
+    from megatron_rl.control.node import interface_of
+
+    assert interface_of(addr, _NODE) == ifname
+
+
+def test_gloo_and_nccl_take_the_interface_of_the_node_address_override():
+    """MEGATRON_RL_NODE_ADDR is the one setting: its interface becomes GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME (gloo would bind the hostname's address otherwise); the job's own values win."""
+    from megatron_rl.control.node import export_interface, interface_of
+
+    find = lambda addr: interface_of(addr, _NODE)  # noqa: E731
+    probe = probe_node({ADDR_VAR: "10.2.0.5"}, hostname="n0", resolve=_resolve({"n0": "10.1.0.5"}),
+                       find_interface=find)
+    env: dict[str, str] = {}
+    export_interface(probe, env)
+    assert env == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    env = {"NCCL_SOCKET_IFNAME": "=ib1"}
+    export_interface(probe, env)
+    assert env == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "=ib1"}
+    plain = probe_node({}, hostname="n0", resolve=_resolve({"n0": "10.1.0.5"}), find_interface=find)
+    env = {}
+    export_interface(plain, env)  # no override: gloo's and NCCL's own choice stays
+    assert env == {}
+    elsewhere = probe_node({ADDR_VAR: "192.168.0.1"}, hostname="n0", resolve=_resolve({}), find_interface=find)
+    with pytest.raises(NodeEnvError, match=rf"^rank 0 on n0: {ADDR_VAR}=192\.168\.0\.1: no network interface "
+                                           "of this node holds that address$"):
+        assign_nodes([elsewhere])

@@ -197,7 +197,9 @@ class GeneratorConfig:
     # A request never reuses a cached prefix computed by weights more than this many versions older (cache salts).
     prefix_cache_max_staleness: int = 0
     bucket_mb: int = 256
-    startup_timeout_s: float = 300.0
+    # Time allowed for a server to become healthy. null: 600 s + the model's weights read at 100 MB/s (a
+    # cold first start from shared storage: CUDA graphs, kernel compilation); the error names this key.
+    startup_timeout_s: float | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
@@ -208,6 +210,8 @@ class GeneratorConfig:
         check(self.prefix_cache_max_staleness >= 0, f"{key}.prefix_cache_max_staleness", "must be >= 0")
         check(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
                f"{key}.mem_fraction_static", "must lie in (0, 1) or be null")
+        check(self.startup_timeout_s is None or self.startup_timeout_s > 0,
+              f"{key}.startup_timeout_s", "must be > 0 or null (derived from the model's size)")
 
 
 @dataclass

@@ -141,6 +141,7 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
     from megatron_rl.control.controller import Controller, RunFailed, stop_workers, write_summary
     from megatron_rl.control.mailbox import Mailbox
     from megatron_rl.data import DataError, iter_problems, read_problems
+    from megatron_rl.rollout.server import startup_timeout
     from megatron_rl.train.checkpoint_manifest import CheckpointError
     from megatron_rl.train.hf_source import resolve_model
 
@@ -152,7 +153,8 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
         eval_problems = read_problems(cfg.data.eval_path, cfg.data) if cfg.run.eval_every else None  # same checks
         controller = Controller(comm, cfg, layout, run_dir, problems, tokenizer, eval_problems)
         controller.install_signal_handlers()
-        controller.wait_for_generators(cfg.generator.startup_timeout_s + 60)
+        start_s, _ = startup_timeout(cfg.generator.startup_timeout_s, setup["model_dir"])
+        controller.wait_for_generators(start_s + 60)
         if setup["resume_root"]:
             controller.resume(Path(setup["resume_root"]))
         summary = controller.run()

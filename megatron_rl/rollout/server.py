@@ -22,6 +22,11 @@ from megatron_rl.rollout.client import SGLangClient
 
 HOST = "127.0.0.1"  # the single-host default
 START_ATTEMPTS = 2  # launches of a server that exits during start-up (SGLangServer.start)
+# A first start on a cluster reads the whole model from shared storage beside the trainers (48-246 GB
+# for the Magistral examples), then captures CUDA graphs and compiles kernels on a cold cache: the
+# derived start-up timeout allows the weights at 100 MB/s plus 10 minutes.
+STARTUP_BASE_S = 600.0
+STARTUP_READ_BYTES_PER_S = 100e6
 
 
 class ServerStartError(RuntimeError):
@@ -40,7 +45,7 @@ class ServerSpec:
     log_path: str | None = None  # default: <tmp>/sglang-<port>.log
     initial_version: int = 0  # weight version of the weights on disk
     mem_fraction_static: float | None = None
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float | None = None  # None: derived from the model's size (startup_timeout)
     extra_args: list[str] = field(default_factory=list)
     threads: int | None = None  # OMP_NUM_THREADS for the server process (None: inherit)
     # SGLang's overlap scheduler keeps one forward pass in flight across an in_place pause; its token
@@ -73,6 +78,22 @@ class ServerSpec:
         if self.tp_size > 1:
             cmd += ["--tp-size", str(self.tp_size)]
         return cmd + list(self.extra_args)
+
+
+def model_bytes(model_path: str | Path) -> int:
+    """Bytes of the files of an HF model directory (links followed: a cache snapshot's files are links)."""
+    return sum(p.stat().st_size for p in Path(model_path).rglob("*") if p.is_file())
+
+
+def startup_timeout(configured: float | None, model_path: str | Path) -> tuple[float, str]:
+    """Seconds a server may take to become healthy, and where that figure comes from (for the error):
+    `configured` (generator.startup_timeout_s) when set, else derived from the model's size."""
+    if configured is not None:
+        return configured, "generator.startup_timeout_s"
+    size = model_bytes(model_path)
+    return (STARTUP_BASE_S + size / STARTUP_READ_BYTES_PER_S,
+            f"derived from the model's {size / 1e9:.1f} GB: {STARTUP_BASE_S:.0f} s + its weights at "
+            f"{STARTUP_READ_BYTES_PER_S / 1e6:.0f} MB/s")
 
 
 def _terminate_with_parent() -> None:
@@ -142,13 +163,15 @@ class SGLangServer:
         log.close()
         self.incarnation += 1
         try:
-            self.wait_healthy(self.spec.startup_timeout_s)
+            self.wait_healthy(*startup_timeout(self.spec.startup_timeout_s, self.spec.model_path))
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float, source: str) -> None:
+        """Until /health answers; ServerStartError when the process exits or after `timeout_s` (whose
+        origin, `source`, the error names with the setting that changes it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
@@ -159,7 +182,8 @@ class SGLangServer:
             if self.client.healthy(timeout=2.0):
                 return
             time.sleep(0.5)
-        raise ServerStartError(f"SGLang server on port {self.spec.port} not healthy after {timeout_s:.0f} s; "
+        raise ServerStartError(f"SGLang server on port {self.spec.port} not healthy after {timeout_s:.0f} s "
+                               f"({source}); set generator.startup_timeout_s to wait longer; "
                                f"log {self.log_path}:\n{_log_tail(self.log_path)}")
 
     def alive(self) -> bool:

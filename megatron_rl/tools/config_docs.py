@@ -60,7 +60,6 @@ FALLBACK = {
     "generator.port_base": "port of generator 0 (generator i uses port_base + i)",
     "generator.mem_fraction_static": "SGLang --mem-fraction-static (GPU); null = SGLang's default",
     "generator.bucket_mb": "size of a weight-sync bucket",
-    "generator.startup_timeout_s": "time allowed for a server to become healthy",
     "generator.extra_args": "extra sglang.launch_server arguments",
     "trainer.tensor_parallel": "Megatron TP size",
     "trainer.pipeline_parallel": "Megatron PP size",

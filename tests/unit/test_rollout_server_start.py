@@ -69,3 +69,36 @@ def test_a_second_exit_is_reported_with_the_log(tmp_path):
     with pytest.raises(ServerStartError, match=r"exited \(code 3\) during startup(.|\n)*start-up failed") as e:
         server.start()
     assert e.value.exited and server.incarnation == START_ATTEMPTS and not server.alive()
+
+
+def test_start_up_timeout_is_derived_from_the_model_size(tmp_path):
+    from megatron_rl.rollout.server import startup_timeout
+
+    model = tmp_path / "model"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:  # sparse: 48 GB of apparent size, Magistral Small's
+        f.truncate(48 * 10**9)
+    (model / "config.json").write_text("{}")
+    seconds, source = startup_timeout(None, model)
+    assert seconds == pytest.approx(600 + 480, abs=1)  # 10 minutes + 48 GB at 100 MB/s
+    assert source.startswith("derived from the model's 48.0 GB")
+    assert startup_timeout(7200.0, model) == (7200.0, "generator.startup_timeout_s")
+
+
+SILENT = "import time; time.sleep(120)"  # a server that never answers /health
+
+
+@pytest.mark.parametrize("configured,source", [(1.0, r"\(generator\.startup_timeout_s\)"),
+                                               (None, r"\(derived from the model's 0\.0 GB.*\)")])
+def test_a_start_up_timeout_says_what_to_set(tmp_path, monkeypatch, configured, source):
+    import megatron_rl.rollout.server as server_mod
+
+    monkeypatch.setattr(server_mod, "STARTUP_BASE_S", 1.0)  # the derived figure of an empty model: ~1 s
+    model = tmp_path / "model"
+    model.mkdir()
+    server = SGLangServer(StandInSpec(str(model), free_port(), log_path=str(tmp_path / "server.log"),
+                                      startup_timeout_s=configured, script=SILENT))
+    with pytest.raises(ServerStartError, match=rf"not healthy after 1 s {source}; set generator\.startup_timeout_s "
+                                               "to wait longer") as e:
+        server.start()
+    assert not e.value.exited and not server.alive()

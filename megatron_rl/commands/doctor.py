@@ -58,6 +58,7 @@ def gpu_libraries() -> dict:
 def collect() -> dict:
     import torch
 
+    from megatron_rl.control.srun import mpi_library
     from megatron_rl.platform import ensure_megatron_shims
 
     versions = {name: _version(name) for name in PACKAGES}
@@ -70,6 +71,7 @@ def collect() -> dict:
         "sandbox": sandbox("python"),
         "sandbox_cpp": sandbox("cpp") if shutil.which("g++") else {"ok": False, "why": "g++ not installed"},
         "mpiexec": venv_tool("mpiexec"),
+        "mpi_library": mpi_library(),
     }
 
 
@@ -78,6 +80,8 @@ def _sandbox_line(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_rl.control.srun import pmi_plugin
+
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -92,4 +96,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'code sandbox':18s} {_sandbox_line(info['sandbox'])}")
     print(f"{'c++ sandbox':18s} {_sandbox_line(info['sandbox_cpp'])}")
     print(f"{'mpiexec':18s} {info['mpiexec'] or 'MISSING'}")
+    print(f"{'mpi library':18s} {info['mpi_library'] or 'MISSING'}")
+    plugin, why = pmi_plugin(info["mpi_library"])
+    print(f"{'srun --mpi':18s} {plugin} ({why}; the sbatch examples' SRUN_MPI)")
     return 0

@@ -4,7 +4,8 @@ task count for srun / mpiexec. Exit status: 0 the run can work, 1 bad input (fil
 3 the layout cannot work (every cause is printed, one per line, on stderr).
 
 `--print-tasks` prints only the task count and `--print-hostfile` only the hostfile (one host per
-rank, in rank order), so launch scripts take both from here and cannot disagree with the config.
+rank, in rank order), so launch scripts take both from here and cannot disagree with the config;
+`--print-srun-mpi` only srun's PMI plugin for the MPI library this environment loads (control/srun.py).
 """
 from __future__ import annotations
 
@@ -34,11 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--print-tasks", action="store_true", help="print only the task count (for srun --ntasks)")
     out.add_argument("--print-hostfile", action="store_true",
                      help="print only the hostfile: one host per rank in rank order (SLURM_HOSTFILE)")
+    out.add_argument("--print-srun-mpi", action="store_true",
+                     help="print only srun's --mpi plugin for the MPI library mpi4py loads here")
 
 
 def main(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.control.placement import PlacementError, check_run, default_hosts, notes, place, table
+    from megatron_rl.control.srun import mpi_library, pmi_plugin
     from megatron_rl.tools.estimate import Cluster, estimate, shapes_of
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None
@@ -81,7 +85,10 @@ def main(args: argparse.Namespace) -> int:
     if placement is not None and not causes and args.print_hostfile:
         sys.stdout.write(placement.hostfile())
         return 0
-    if not (args.print_tasks or args.print_hostfile):
+    if not causes and args.print_srun_mpi:
+        print(pmi_plugin(mpi_library())[0])
+        return 0
+    if not (args.print_tasks or args.print_hostfile or args.print_srun_mpi):
         t, g = cfg.trainer, cfg.generator
         print(f"config: {args.config}; {nodes} nodes x {args.gpus_per_node} GPUs ({args.gpu_memory_gb:g} GB)")
         print(f"trainer: TP={t.tensor_parallel} PP={t.pipeline_parallel} DP={t.data_parallel}; generators: "
@@ -95,8 +102,12 @@ def main(args: argparse.Namespace) -> int:
             print(table(placement, gb))
             for note in notes(placement):
                 print(f"note: {note}")
-            print(f"tasks: {placement.world_size} (srun --ntasks={placement.world_size} --distribution=arbitrary "
-                  f"with SLURM_HOSTFILE from --print-hostfile; mpiexec -n {placement.world_size})")
+            library = mpi_library()
+            plugin, why = pmi_plugin(library)
+            print(f"tasks: {placement.world_size} (srun --mpi={plugin} --ntasks={placement.world_size} "
+                  f"--distribution=arbitrary with SLURM_HOSTFILE from --print-hostfile; "
+                  f"mpiexec -n {placement.world_size})")
+            print(f"mpi: {library or 'none'}; srun --mpi={plugin}: {why}")
     for cause in causes:
         log.error("cannot run: %s", cause)
     return 3 if causes else 0

@@ -4,6 +4,7 @@ from plan."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -169,7 +170,7 @@ def test_sbatch_scripts_take_their_task_count_from_plan(name, ranks, capsys):
     assert f"CONFIG=examples/{name}.yaml" in text
     assert "#SBATCH --ntasks-per-node" not in text and not re.search(r"#SBATCH --ntasks=", text)
     assert re.search(r'PLAN=\(megatron-rl plan "\$CONFIG"', text) and f"--gpus-per-node {gpn}" in text
-    assert 'NTASKS=$("${PLAN[@]}" --print-tasks)' in text and 'srun --ntasks="$NTASKS" --distribution=arbitrary' in text
+    assert 'NTASKS=$("${PLAN[@]}" --print-tasks)' in text and '--ntasks="$NTASKS" --distribution=arbitrary' in text
     assert '--print-hostfile > "$SLURM_HOSTFILE"' in text
     # The layout itself fits the script's allocation, and its rank count is the config's.
     cfg = load_config(EXAMPLES / f"{name}.yaml")
@@ -192,6 +193,58 @@ def test_sbatch_scripts_take_their_task_count_from_plan(name, ranks, capsys):
               str(nodes), "--gpus-per-node", str(gpn), "--print-tasks"])
     captured = capsys.readouterr()
     assert rc == 3 and captured.out == "" and f"trainer.micro_batch_tokens={longest - 8} is smaller" in captured.err
+
+
+def _stub(path: Path, body: str) -> None:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("name", ["magistral_small", "magistral_medium"])
+def test_sbatch_scripts_name_srun_s_pmi_plugin_and_strict_kernels(name, tmp_path):
+    """srun gets --mpi= from plan (Slurm's default, none, starts every task as an MPI job of 1) unless
+    SRUN_MPI is set, and the ranks MEGATRON_RL_OPS_BACKEND=strict unless the job set another; plan,
+    scontrol and srun are stand-ins recording what the script hands them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir / "scontrol", 'printf "n%s\\n" 0 1')
+    _stub(bin_dir / "megatron-rl", 'case " $* " in *" --print-tasks "*) echo 53;; *" --print-hostfile "*) echo n0;;\n'
+                                    '  *" --print-srun-mpi "*) echo pmi2;; esac')
+    _stub(bin_dir / "srun", 'printf "%s\\n" "$@" > "$OUT/srun.args"; echo "$MEGATRON_RL_OPS_BACKEND" > "$OUT/backend"')
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "MODEL": "m", "SLURM_JOB_NODELIST": "n[0-1]",
+            "SLURM_JOB_NUM_NODES": "8", "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(tmp_path)}
+    script = EXAMPLES / f"srun_{name}.sbatch"
+    for extra, mpi, backend in (({}, "pmi2", "strict"),
+                                ({"SRUN_MPI": "pmix", "MEGATRON_RL_OPS_BACKEND": "auto"}, "pmix", "auto")):
+        done = subprocess.run(["bash", str(script)], cwd=EXAMPLES.parent, env={**base, **extra},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        args = (tmp_path / "srun.args").read_text().split("\n")
+        assert args[:3] == [f"--mpi={mpi}", "--ntasks=53", "--distribution=arbitrary"], args
+        assert (tmp_path / "backend").read_text().strip() == backend
+
+
+@pytest.mark.parametrize("library,plugin", [
+    ("MPICH Version: 5.0.2", "pmi2"), ("Open MPI v5.0.3, package: Open MPI", "pmix"),
+    ("MPI VERSION : CRAY MPICH version 8.1.29", "cray_shasta"), ("Intel(R) MPI Library 2021.13", "pmi2"),
+    ("MVAPICH2 Version 2.3.7", "pmi2"), ("Some MPI 1.0", "pmi2"), (None, "pmi2")])
+def test_srun_pmi_plugin_follows_the_mpi_library(library, plugin):
+    from megatron_rl.control.srun import pmi_plugin
+
+    assert pmi_plugin(library)[0] == plugin
+
+
+def test_plan_and_doctor_name_the_pmi_plugin_this_environment_needs(monkeypatch, capsys):
+    from megatron_rl.control import srun
+
+    assert srun.mpi_library().startswith("MPICH Version: 5.0.2")  # the cpu extra's mpich wheel, not initialised
+    monkeypatch.setattr(srun, "mpi_library", lambda: "Open MPI v5.0.3")
+    assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "1", "--print-srun-mpi"]) == 0
+    assert capsys.readouterr().out == "pmix\n"
+    assert cli(["plan", str(EXAMPLES / "cpu_demo.yaml"), "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tasks: 3 (srun --mpi=pmix --ntasks=3" in out
+    assert "mpi: Open MPI v5.0.3; srun --mpi=pmix: Open MPI 5 starts its processes through PMIx only" in out
 
 
 def test_plan_bad_input_is_one_line_naming_the_cause(tmp_path, capsys):

@@ -37,10 +37,10 @@ COPY . /opt/megatron_rl/src
 # image already has at the pinned version is installed again); a failed csrc/ compile fails the build.
 RUN MEGATRON_RL_GPU_VENV=/opt/megatron_rl/venv MEGATRON_RL_GPU_PYTHON=python3 MEGATRON_RL_GPU_SYSTEM_SITE=1 \
         /opt/megatron_rl/src/dev setup --gpu \
-    && /opt/megatron_rl/venv/bin/python -m pip install --no-cache-dir mpich==5.0.2 \
     && rm -rf /root/.cache/pip
 
-# mpich's mpiexec serves single-node runs; multi-node srun runs use the cluster's MPI (docs/cluster.md).
+# The gpu extra's mpich: its mpiexec serves single-node runs, srun --mpi=pmi2 multi-node ones (or the
+# cluster's MPI through MPI4PY_LIBMPI; docs/cluster.md).
 ENV PATH=/opt/megatron_rl/venv/bin:${PATH}
 WORKDIR /workspace
 CMD ["megatron-rl", "--help"]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Creates/updates the GPU environment (./dev setup --gpu): Python >= 3.12, the `gpu` extra's pins of
-# pyproject.toml (CUDA 13.0 torch, SGLang, Megatron-Core, Transformer Engine), then the package itself,
-# installed (not editable) with csrc/ compiled for TORCH_CUDA_ARCH_LIST. Strict: a failed compile
-# stops here with the compiler's error lines; the check at the end loads the extension with
-# MEGATRON_RL_OPS_BACKEND=strict. Idempotent (a stamp of the pins, the sources and the arch list).
+# pyproject.toml (CUDA 13.0 torch, SGLang, Megatron-Core, Transformer Engine, the mpich wheel), then the
+# package itself, installed (not editable) with csrc/ compiled for TORCH_CUDA_ARCH_LIST. Strict: a
+# failed compile stops here with the compiler's error lines; the check at the end loads the extension
+# with MEGATRON_RL_OPS_BACKEND=strict and the MPI library mpi4py takes (srun's plugin for it).
+# Idempotent (a stamp of the pins, the sources and the arch list).
 #   MEGATRON_RL_GPU_VENV    the venv (default .venv-gpu in the repository)
 #   MEGATRON_RL_GPU_PYTHON  interpreter that creates it (default python3.12)
 #   TORCH_CUDA_ARCH_LIST    GPU archs of the csrc/ build (default "9.0": H100/H200; e.g. "8.0;9.0")
@@ -119,10 +120,15 @@ mods = ["megatron.core", "sglang"] + (["transformer_engine.pytorch"] if sys.argv
 for m in mods:
     importlib.import_module(m)
 import megatron_rl
+from megatron_rl.control.srun import mpi_library, pmi_plugin
 from megatron_rl.ops import build, require_extension
 require_extension(cuda=True)
+library = mpi_library()  # the gpu extra's mpich, unless MPI4PY_LIBMPI names the site's
+if library is None:
+    sys.exit("mpi4py loads no MPI library: the gpu extra's mpich is missing")
 print(f"[setup --gpu] ok: torch {torch.__version__} (CUDA {torch.version.cuda}), {', '.join(mods)} import; "
-      f"csrc extension with CUDA kernels loads from {build.prebuilt_library()}", file=sys.stderr)
+      f"csrc extension with CUDA kernels loads from {build.prebuilt_library()}; MPI: {library} "
+      f"(srun --mpi={pmi_plugin(library)[0]})", file=sys.stderr)
 PY
 stamp_of > "$STAMP"
 log "GPU environment ready in $VENV: $(( $(date +%s) - T0 )) s, $(du -sh "$VENV" | cut -f1)"

@@ -57,6 +57,15 @@ def test_gpu_extra_runs_the_same_sglang_and_megatron_as_the_cpu_route():
     assert gpu["torch"] != _bootstrap_pins()[("torch", "")], "gpu torch must be SGLang's CUDA pin, not the CPU one"
 
 
+def test_gpu_extra_brings_the_mpi_of_the_cpu_route():
+    """mpi4py's wheels load an MPI library at run time: without the mpich wheel a single-node run from
+    .venv-gpu stopped until a manual install (issue 31 item 4)."""
+    cpu = {name: v for (name, _), v in _pins(EXTRAS["cpu"]).items()}
+    gpu = {name: v for (name, _), v in _pins(EXTRAS["gpu"]).items()}
+    assert gpu["mpich"] == cpu["mpich"]
+    assert "mpi_library()" in (ROOT / "env" / "bootstrap_gpu.sh").read_text()  # its final check loads it
+
+
 def test_wheel_ships_the_csrc_sources_the_jit_build_needs():
     from megatron_rl.ops import build
 

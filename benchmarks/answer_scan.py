@@ -1,6 +1,6 @@
-"""Answer scanning on hostile responses: the old per-box rescans vs math_extract.BoxScan.
+"""Answer scanning on hostile responses: the old per-box rescans vs math.extract.BoxScan.
 
-For each adversarial shape, times ``extract_answer`` (last box, math_extract), the format gate's
+For each adversarial shape, times ``extract_answer`` (last box, math.extract), the format gate's
 box check (format.has_nonempty_box) and the code tasks' fenced-block scan (format.fenced_blocks,
 the old one a lazy regex) against the old-style scans, which look for each box's closing
 brace by rescanning the rest of the text (quadratic). The old scans run on a small size (they take
@@ -17,7 +17,7 @@ import sys
 import time
 
 from megatron_rl.reward.format import LANGUAGE_TAGS, fenced_blocks, has_nonempty_box
-from megatron_rl.reward.math_extract import extract_answer
+from megatron_rl.reward.math.extract import extract_answer
 
 # ---- the old-style baseline (the scans this project used before BoxScan), kept here to measure it
 

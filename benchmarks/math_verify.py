@@ -1,6 +1,6 @@
 """Math verification: megatron_rl.reward.math vs math-verify on the same labelled pairs.
 
-Both run in the same kind of forked, time-limited worker (math_pool.WorkerPool, one worker each,
+Both run in the same kind of forked, time-limited worker (math.pool.WorkerPool, one worker each,
 so checks/s is per core); math-verify also uses its own SIGALRM timeouts inside its worker.
 Prints accuracy (overall and per category), checks/s per core (all items and without the hostile
 ones), the ratio mine / math-verify, and every item on which the two disagree.
@@ -24,7 +24,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from megatron_rl.reward import math as rmath  # noqa: E402
-from megatron_rl.reward.math_pool import WorkerPool  # noqa: E402
+from megatron_rl.reward.math.pool import WorkerPool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

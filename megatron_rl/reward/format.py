@@ -18,7 +18,7 @@ import bisect
 import re
 from dataclasses import dataclass
 
-from megatron_rl.reward.math_extract import BoxScan, unstripped_boxes
+from megatron_rl.reward.math.extract import BoxScan, unstripped_boxes
 from megatron_rl.reward.types import CodeTask, Task
 
 THINK_OPEN = "<think>"
@@ -73,7 +73,7 @@ def _scan_boxed(text: str) -> BoxScan:
 def boxed_contents(text: str) -> list[str]:
     """Contents of every outermost ``\\boxed{...}`` with balanced braces, in order (unclosed boxes
     skipped; a box nested in another is part of the outer one's content). Linear time: braces are
-    paired once for the whole text (math_extract.BoxScan), never rescanned per box."""
+    paired once for the whole text (math.extract.BoxScan), never rescanned per box."""
     return [text[lo:hi] for _, lo, hi in unstripped_boxes(_scan_boxed(text))]
 
 

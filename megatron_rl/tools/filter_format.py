@@ -56,9 +56,9 @@ class FormatReport:
 
 def answer_verdict(answer: Any) -> str | None:
     """None when the answer can be verified by reward.math, else the reason it cannot."""
-    from megatron_rl.reward.math_normalize import normalize
-    from megatron_rl.reward.math_parse import Choice, Equation, Scalar, Seq, Text, parse_answer
-    from megatron_rl.reward.math_sympy import Unparseable, to_sympy
+    from megatron_rl.reward.math.normalize import normalize
+    from megatron_rl.reward.math.parse import Choice, Equation, Scalar, Seq, Text, parse_answer
+    from megatron_rl.reward.math.symbolic import Unparseable, to_sympy
 
     if answer is None or isinstance(answer, bool) or not str(answer).strip():
         return "no_answer"

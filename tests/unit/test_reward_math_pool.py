@@ -1,4 +1,4 @@
-"""math_pool.WorkerPool: the time limit is enforced from outside, late or crashed workers are
+"""math.pool.WorkerPool: the time limit is enforced from outside, late or crashed workers are
 replaced, errors are reported, and the pool works from threads and inside daemonic processes."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron_rl.reward.math_pool import WorkerPool
+from megatron_rl.reward.math.pool import WorkerPool
 
 
 def _job(kind: str, value: int = 0):

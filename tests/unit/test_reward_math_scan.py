@@ -1,4 +1,4 @@
-"""Answer scanning in linear time (math_extract.BoxScan, format.boxed_contents / has_nonempty_box).
+"""Answer scanning in linear time (math.extract.BoxScan, format.boxed_contents / has_nonempty_box).
 
 The reference here is an independent, deliberately naive scanner: for each box command it walks
 forward character by character with a depth counter (quadratic, fine on short strings). The linear
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_rl.reward.format import boxed_contents, check_format, has_nonempty_box
-from megatron_rl.reward.math_extract import extract_answer, find_boxes, pair_braces
+from megatron_rl.reward.math.extract import extract_answer, find_boxes, pair_braces
 from megatron_rl.reward.types import parse_task
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_rl.reward.math_extract import _match_brace, pair_braces
+from megatron_rl.reward.math.extract import _match_brace, pair_braces
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def strip_group_braces(s: str) -> str:
 
     Braces with a meaning are kept: ``\\{1,2\\}`` (escaped: a set), ``{1}{2}`` or ``\\frac{a}{b}``
     (the first brace closes before the end), ``{}`` (the empty set). Linear: braces are paired
-    once (math_extract.pair_braces), then peeled from both ends."""
+    once (math.extract.pair_braces), then peeled from both ends."""
     if not s.startswith("{"):
         return s
     close = pair_braces(np.frombuffer(s.encode("utf-32-le", "surrogatepass"), dtype=np.uint32))

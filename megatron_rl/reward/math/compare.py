@@ -1,4 +1,4 @@
-"""Equivalence of two parsed answers (math_parse values), recursively by structure.
+"""Equivalence of two parsed answers (math.parse values), recursively by structure.
 
 Policies (why, in short):
 - sets and bare comma lists are order-free (multiset matching); bracketed tuples are ordered; a
@@ -8,18 +8,17 @@ Policies (why, in short):
 - a one-element set/list matches its element; a column/row matrix matches a tuple of its entries;
 - percent: ``50\\%`` ~ ``50`` ~ ``0.5`` (when only one side has the sign, either reading is accepted);
 - degrees: ``30^\\circ`` ~ ``30`` ~ ``\\pi/6`` (same rule: either reading);
-- numbers: exact (math.py has the rules); ``rounds_to`` is the one tolerance, for decimal references;
+- numbers: exact (the package __init__ has the rules); ``parse.rounds_to`` is the one tolerance, for
+  decimal references;
 - text answers compare case- and space-insensitively; choice letters compare by letter.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
 
-from megatron_rl.reward.math_normalize import Normalized
-from megatron_rl.reward.math_parse import (Choice, Equation, Matrix, Scalar, Seq, Text, Union,
-                                           parse_text)
+from megatron_rl.reward.math.normalize import Normalized
+from megatron_rl.reward.math.parse import (Choice, Equation, Matrix, Scalar, Seq, Text, Union,
+                                           parse_text, rounds_to)
 
 
 @dataclass(frozen=True)
@@ -58,23 +57,6 @@ def _scales(mine: Flags, other: Flags) -> list:
     return out
 
 
-MIN_ROUNDING_SIG = 4  # a decimal reference with fewer significant digits is taken as exact
-
-
-def rounds_to(value: Fraction, ref: Scalar) -> bool:
-    """Whether ``value``, written to the last place of the decimal reference ``ref``, gives ``ref``
-    (rounded to nearest, or truncated toward zero: 0.6667 and 0.6666 both stand for 2/3).
-
-    Only a decimal *reference* with >= 4 significant digits is read as a rounded value: the
-    problem's author wrote an approximation, so any prediction that rounds to it answers it.
-    A decimal prediction against an exact reference gets no such reading (see math.py)."""
-    if ref.decimals is None or ref.number is None or ref.sig_digits < MIN_ROUNDING_SIG:
-        return False
-    unit = Fraction(10) ** -ref.decimals  # one unit in the reference's last written place
-    scaled, target = value / unit, ref.number / unit  # target is an integer
-    return target == math.trunc(scaled) or abs(scaled - target) <= Fraction(1, 2)
-
-
 def _fast_numbers(a: Scalar, b: Scalar) -> bool | None:
     """Two rational literals: decided exactly, without SymPy; None when either is not one."""
     if a.number is None or b.number is None:
@@ -83,7 +65,7 @@ def _fast_numbers(a: Scalar, b: Scalar) -> bool | None:
 
 
 def scalars_equal(a: Scalar, b: Scalar, fa: Flags, fb: Flags) -> bool:
-    from megatron_rl.reward.math_sympy import Unparseable, sympy_equal  # heavy import: workers only
+    from megatron_rl.reward.math.symbolic import Unparseable, sympy_equal  # heavy import: workers only
 
     scales_a, scales_b = _scales(fa, fb), _scales(fb, fa)
     if len(scales_a) == 1 and len(scales_b) == 1:
@@ -153,7 +135,7 @@ def _equations_equal(a: Equation, b: Equation, fa: Flags, fb: Flags) -> bool:
     if a.lhs == b.lhs and values_equal(a.rhs, b.rhs, fa, fb):
         return True
     if isinstance(a.rhs, Scalar) and isinstance(b.rhs, Scalar):
-        from megatron_rl.reward.math_sympy import Unparseable, equations_proportional
+        from megatron_rl.reward.math.symbolic import Unparseable, equations_proportional
 
         try:
             return equations_proportional(a.lhs, a.rhs.source, b.lhs, b.rhs.source)
@@ -201,7 +183,7 @@ def values_equal(a, b, fa: Flags = Flags(), fb: Flags = Flags()) -> bool:
 
 def _as_real_set(v):
     """A SymPy set for an interval, a union of intervals, or a one-variable inequality."""
-    from megatron_rl.reward.math_sympy import interval_set, relation_set
+    from megatron_rl.reward.math.symbolic import interval_set, relation_set
 
     if isinstance(v, Scalar):
         return relation_set(v)
@@ -219,7 +201,7 @@ def _as_real_set(v):
 
 def _relation_vs_set(a, b) -> bool:
     """``x \\ge 3`` ~ ``[3, \\infty)``: compare as sets of reals."""
-    from megatron_rl.reward.math_sympy import Unparseable
+    from megatron_rl.reward.math.symbolic import Unparseable
 
     try:
         sa, sb = _as_real_set(a), _as_real_set(b)

@@ -27,7 +27,7 @@ _ISSPACE = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uin
 def _match_brace(text: str, open_idx: int) -> int | None:
     """Index of the ``}`` closing the ``{`` at ``open_idx`` (escaped ``\\{``/``\\}`` skipped), or None.
 
-    One brace, O(length): for short, already extracted answers (math_normalize). Whole responses
+    One brace, O(length): for short, already extracted answers (math.normalize). Whole responses
     go through BoxScan."""
     depth = 0
     i = open_idx

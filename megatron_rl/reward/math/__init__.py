@@ -1,14 +1,14 @@
 """Math answer verification: ``extract_answer`` and ``math_equal`` (public contracts).
 
-Everything that grading does with a math answer runs in a forked worker (math_pool) under one
+Everything that grading does with a math answer runs in a forked worker (math.pool) under one
 hard wall-clock limit (``reward.math_timeout_s``): ``check_response`` scans the response for its
-last box there (math_extract, linear time), then normalises and compares; ``check`` /
+last box there (math.extract, linear time), then normalises and compares; ``check`` /
 ``math_equal`` normalise and compare an answer already extracted. A worker past the limit is
 killed and replaced, and the answer is False (status "timeout").
 
 Two backends (``reward.math_backend``), both in the same workers and limit:
-- ``sympy`` (default): this package's rules below (math_normalize, math_parse, math_compare,
-  math_sympy);
+- ``sympy`` (default): this package's rules below (math.normalize, math.parse, math.compare,
+  math.symbolic);
 - ``math_verify``: Hugging Face math-verify's ``parse`` + ``verify`` on the extracted answer and the
   reference (each wrapped in ``\\boxed{}``), with its own defaults and numeric rules; it misses
   ``1e3``-style numbers (reads ``1*E*3``). Its SIGALRM timeouts work here because each worker is
@@ -42,10 +42,10 @@ import os
 import threading
 from dataclasses import dataclass
 
-from megatron_rl.reward.math_compare import normalized_equal
-from megatron_rl.reward.math_extract import extract_answer
-from megatron_rl.reward.math_normalize import normalize
-from megatron_rl.reward.math_pool import WorkerPool
+from megatron_rl.reward.math.compare import normalized_equal
+from megatron_rl.reward.math.extract import extract_answer
+from megatron_rl.reward.math.normalize import normalize
+from megatron_rl.reward.math.pool import WorkerPool
 
 __all__ = ["extract_answer", "math_equal", "check", "check_response", "MathCheck", "equal_in_process",
            "close_pool", "warm_up", "BACKENDS"]
@@ -89,7 +89,7 @@ def _decide(prediction: str, reference: str, backend: str, timeout: float) -> tu
 
 
 def _worker(kind: str, text: str, reference: str, backend: str, timeout: float):
-    """Runs in a math_pool worker: (prediction, equal, status)."""
+    """Runs in a math.pool worker: (prediction, equal, status)."""
     prediction = extract_answer(text) if kind == "response" else text
     if prediction is None:
         return None, False, "no_answer"
@@ -105,7 +105,7 @@ def _get_pool(backend: str) -> WorkerPool:
     with _pool_lock:
         pool = _pools.get(backend)
         if pool is None:
-            from megatron_rl.reward.math_sympy import warm_up
+            from megatron_rl.reward.math.symbolic import warm_up
 
             warm_up()  # import SymPy and build the LaTeX parser once, before the first fork
             if backend == "math_verify":

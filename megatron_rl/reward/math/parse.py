@@ -1,16 +1,17 @@
 """Structure of a normalised answer: choice letter, text, set, tuple/interval, list, union,
-matrix, equation, or a scalar expression (parsed lazily to SymPy by math_sympy).
+matrix, equation, or a scalar expression (parsed lazily to SymPy by math.symbolic).
 
 Only the top level is split here (by bracket depth); leaves stay strings until compared, so the
 cheap cases (plain numbers, letters, words) never touch the LaTeX parser.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megatron_rl.reward.math_normalize import Normalized, strip_group_braces
+from megatron_rl.reward.math.normalize import Normalized, strip_group_braces
 
 _OPEN = "([{"
 _CLOSE = ")]}"
@@ -22,7 +23,7 @@ class Scalar:
     number: Fraction | None = None  # set when the source is a plain rational literal (exact value)
     # Set when the source is a decimal literal (``3.1416``, ``6.02 \times 10^{23}``, ``1e3``): the
     # power of ten of its last written digit, negated (3.1416: 4; 6.02e23: -21). Such a reference may
-    # stand for a rounded value (math_compare.rounds_to); its exact value is still ``number``.
+    # stand for a rounded value (rounds_to below); its exact value is still ``number``.
     decimals: int | None = None
     sig_digits: int = 0  # significant digits written in a decimal literal
 
@@ -59,6 +60,23 @@ class Matrix:
 class Equation:
     lhs: str
     rhs: object  # a value
+
+
+MIN_ROUNDING_SIG = 4  # a decimal reference with fewer significant digits is taken as exact
+
+
+def rounds_to(value: Fraction, ref: Scalar) -> bool:
+    """Whether ``value``, written to the last place of the decimal reference ``ref``, gives ``ref``
+    (rounded to nearest, or truncated toward zero: 0.6667 and 0.6666 both stand for 2/3).
+
+    Only a decimal *reference* with >= 4 significant digits is read as a rounded value: the
+    problem's author wrote an approximation, so any prediction that rounds to it answers it.
+    A decimal prediction against an exact reference gets no such reading (see the package __init__)."""
+    if ref.decimals is None or ref.number is None or ref.sig_digits < MIN_ROUNDING_SIG:
+        return False
+    unit = Fraction(10) ** -ref.decimals  # one unit in the reference's last written place
+    scaled, target = value / unit, ref.number / unit  # target is an integer
+    return target == math.trunc(scaled) or abs(scaled - target) <= Fraction(1, 2)
 
 
 _NUMBER = re.compile(r"^([+-]?)(\d+)(?:\.(\d*))?$|^([+-]?)\.(\d+)$")

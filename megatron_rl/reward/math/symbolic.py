@@ -1,8 +1,8 @@
 """Scalar comparison with SymPy: LaTeX -> SymPy (latex2sympy2_extended), then exact checks. Runs
-only inside the time-limited workers (math_pool): parsing or simplifying hostile input
+only inside the time-limited workers (math.pool): parsing or simplifying hostile input
 (``10^{10^{10}}``, ``(10^9)!``) may take unbounded time here.
 
-Exactness (the policy is documented in math.py):
+Exactness (the policy is documented in the package __init__):
 - a decimal literal is the exact rational its digits spell (``0.75\\pi`` = ``3\\pi/4``): the parser's
   Floats are replaced by Rationals before anything is compared, so no float rounding enters;
 - two constants are equal when their difference is exactly zero: SymPy's exact arithmetic (big
@@ -12,7 +12,7 @@ Exactness (the policy is documented in math.py):
   prove zero nor separate is zero only if it is below 1e-100 (relative) at 120 digits;
 - expressions with symbols: exact comparison at random rational points, then ``simplify``;
 - the one tolerance: a decimal *reference* with >= 4 significant digits matches a value that
-  rounds or truncates to it (math_compare.rounds_to): ``\\pi`` answers ``3.1416``, but
+  rounds or truncates to it (math.parse.rounds_to): ``\\pi`` answers ``3.1416``, but
   ``3.1416`` does not answer ``\\pi``.
 """
 from __future__ import annotations
@@ -26,8 +26,7 @@ import sympy
 from latex2sympy2_extended import latex2sympy
 from latex2sympy2_extended.math_normalization import NormalizationConfig
 
-from megatron_rl.reward.math_compare import rounds_to
-from megatron_rl.reward.math_parse import Scalar
+from megatron_rl.reward.math.parse import Scalar, rounds_to
 
 _NO_NORMALISATION = NormalizationConfig(basic_latex=False, units=False, malformed_operators=False,
                                         nits=False, boxed="none", equations=False)

@@ -46,12 +46,9 @@ from megatron_rl.platform import has_cuda, te_available
 
 from .moe import MOE_MODEL_TYPES, MoeDims, moe_config_kwargs, moe_dims, reduce_expert_grads_over_expert_dp
 from .parallel import ParallelLayout
+from .unsupported import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

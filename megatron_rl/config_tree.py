@@ -14,8 +14,10 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_rl.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError, ValueError):
     """A config key is unknown, has the wrong type, or an invalid value."""
 
 

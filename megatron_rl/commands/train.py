@@ -40,6 +40,7 @@ def _mpiexec() -> str:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.control.failure_report import clear_records
     from megatron_rl.control.layout import RankLayout
     from megatron_rl.control.preflight import check_code_sandbox
     from megatron_rl.data.sources import DataError
@@ -62,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
     except (DataError, SandboxUnavailable, ModelUnavailable) as e:
         log.error("%s", e)
         return 1
+    clear_records(Path(cfg.run.output_dir))  # read when the job ends: none may be an earlier start's
     cmd = [_mpiexec(), "-n", str(layout.world_size), sys.executable, "-m", "megatron_rl.control.main", *rank_args]
     log.info("launching %d ranks: %s", layout.world_size, " ".join(cmd))
     # mpiexec runs in its own session and gets each SIGINT/SIGTERM exactly once, from us: it forwards
@@ -76,12 +78,29 @@ def main(args: argparse.Namespace) -> int:
 
 
 def ended_message(run_dir: Path, config: str, status: int) -> str:
-    """What to do after a job that ended badly: mpiexec ends every rank when one dies (kill -9, out of
-    memory, a node lost) and names its pid above; RUN_DIR/ranks/ says which rank and role had it."""
+    """The launcher's last line after a job that ended badly: the failing rank and its error from rank 0's
+    report (starting again is advised only where it can help), else a rank that died (mpiexec ends every
+    rank when one dies and names its pid above)."""
+    from megatron_rl.control.failure_report import rank_pids, read_report
+    from megatron_rl.control.protocol import Cause
+
+    head = f"megatron-rl train: the job ended with status {status}"
+    report = read_report(run_dir)
+    if report is not None and report["cause"] != Cause.LOST:  # bad input or a crash: a new start meets it again
+        return f"{head}: {report['line']}"
+    if report is not None:
+        return f"{head}: {report['line']}; {_restart_advice(run_dir, config)}"
+    pids = rank_pids(run_dir)
+    if not pids:
+        return f"{head} before its ranks started (the messages above say why)"
+    return (f"{head}: a rank died (killed, out of memory, a node lost); mpiexec's message above names its pid "
+            f"({pids}); {_restart_advice(run_dir, config)}")
+
+
+def _restart_advice(run_dir: Path, config: str) -> str:
     from megatron_rl.train.checkpoint_dirs import tracked_step
 
     step = tracked_step(run_dir / "checkpoints")
-    where = (f"continue from its last checkpoint (iteration {step}) with: megatron-rl train {config} "
-             f"--resume" if step is not None else "it wrote no checkpoint yet: start it again")
-    return (f"megatron-rl train: the job ended with status {status} (a rank failed or died: the messages above "
-            f"name it, {run_dir / 'ranks'} maps pids to ranks and roles); {where}")
+    if step is None:
+        return "it wrote no checkpoint yet: start it again with the same command"
+    return f"continue from its last checkpoint (iteration {step}) with: megatron-rl train {config} --resume"

@@ -21,7 +21,7 @@ from megatron_rl.config import Config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.metrics import Progress, batch_stats, stage_metrics
-from megatron_rl.control.protocol import (FinishUpdate, GeneratorStatus, Graded, LoadRequest, Loaded, Paused,
+from megatron_rl.control.protocol import (Cause, FinishUpdate, GeneratorStatus, Graded, LoadRequest, Loaded, Paused,
                                           PauseForUpdate, Pushed, PushRequest, Resumed, RolloutsReport, RunFailed,
                                           SaveRequest, Saved, Stop, Trained, TrainRequest, WorkerFailure)
 from megatron_rl.control.rollouts import RolloutFlow
@@ -186,17 +186,17 @@ class Controller:
         deadline = time.time() + timeout_s
         while len(self.gen_status) + len(self.flow.dead_generators) < self.layout.generators:
             if time.time() > deadline:
-                raise RunFailed(f"generators did not report within {timeout_s:.0f} s")
+                raise RunFailed(f"generators did not report within {timeout_s:.0f} s", Cause.LOST)
             for source, message in self.mailbox.poll(timeout_s=0.005):
                 self._dispatch(source, message)
         if not self.flow.alive_generators():
-            raise RunFailed("no generator started")
+            raise RunFailed("no generator started", Cause.LOST)
 
     def resume(self, root: Path) -> None:
         self.mailbox.send(self.layout.first_trainer, LoadRequest(str(root)))
         state = self.mailbox.await_reply(Loaded, REPLY_TIMEOUT_S, on_failure=self._on_failure).extra.get("controller")
         if not state:
-            raise RunFailed(f"checkpoint under {root} has no controller state; cannot resume this run")
+            raise RunFailed(f"checkpoint under {root} has no controller state; cannot resume this run", Cause.INPUT)
         self.flow.load_state_dict(state)
         if "log" in state:  # rows and events written after the checkpoint are written again: drop them
             self.log.cut_back(state["log"])
@@ -243,10 +243,10 @@ class Controller:
                 self._next_phase()
             return
         if failure.role == "verifier" and self.flow.on_verifier_lost(failure.rank):
-            print(f"megatron-rl train: {failure.describe()}\nverifier rank {failure.rank} left out, its items sent "
-                  f"to the others", file=sys.stderr, flush=True)
+            print(f"megatron-rl train: {failure.describe()}\n{failure.trace}verifier rank {failure.rank} left out, "
+                  f"its items sent to the others", file=sys.stderr, flush=True)
             return
-        raise RunFailed(failure.describe())
+        raise RunFailed.of(failure)
 
 
 def stop_workers(mailbox: Mailbox, layout: RankLayout) -> None:

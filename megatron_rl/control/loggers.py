@@ -26,7 +26,7 @@ import yaml
 
 from megatron_rl.config import RunConfig
 from megatron_rl.control.metrics import METRICS_FILE, JsonlWriter
-from megatron_rl.control.protocol import RunFailed
+from megatron_rl.control.protocol import Cause, RunFailed
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 # Not sent as scalars: the step itself, and the wall-clock stamp every backend records on its own.
@@ -52,7 +52,7 @@ def check_installed(names: list[str]) -> None:
         package = PACKAGES.get(name)
         if package and importlib.util.find_spec(package) is None:
             raise RunFailed(f"run.loggers: {name} needs the package '{package}', which is not installed "
-                               f"(pip install 'megatron-rl[loggers]', or remove {name} from run.loggers)")
+                               f"(pip install 'megatron-rl[loggers]', or remove {name} from run.loggers)", Cause.INPUT)
 
 
 def run_name(run: RunConfig, run_dir: Path) -> str:

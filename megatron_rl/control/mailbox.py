@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable, TypeVar
 
-from megatron_rl.control.protocol import MESSAGE_TYPES, RunFailed, Stop, Tag, WorkerFailure, tag_of
+from megatron_rl.control.protocol import MESSAGE_TYPES, Cause, RunFailed, Stop, Tag, WorkerFailure, tag_of
 
 CONTROLLER = 0  # the rank every worker answers
 M = TypeVar("M")
@@ -72,7 +72,7 @@ class Mailbox:
                 else:
                     self._held.append(got)
             if time.monotonic() >= deadline:
-                raise RunFailed(f"no {kind.__name__} message within {timeout_s:.0f} s")
+                raise RunFailed(f"no {kind.__name__} message within {timeout_s:.0f} s", Cause.LOST)
             time.sleep(self.idle_sleep_s)
 
     def wait_for_stop(self) -> None:

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import signal
 import sys
 from pathlib import Path
 
 from megatron_rl import log as logs
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
+from megatron_rl.control.failure_report import clear_records, write_pid_file, write_report
 from megatron_rl.control.layout import RankLayout
-from megatron_rl.control.node import NodeEnvError, assign_gpus, gather_nodes
+from megatron_rl.control.node import assign_gpus, gather_nodes
+from megatron_rl.control.protocol import WorkerFailure
 from megatron_rl.sync.group import bind_listener
 from megatron_rl.train.checkpoint_dirs import holds_checkpoints
 
-log = logs.get_logger(__name__)
-
-RANKS_DIR = "ranks"  # RUN_DIR/ranks/<rank>.pid: "PID ROLE HOST", one file per rank of the current start
+# not __name__: run as `python -m`, this module is `__main__`, outside the package logger's handler
+log = logs.get_logger("megatron_rl.control.main")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,19 +65,16 @@ def prepare_run(cfg: Config, layout: RankLayout) -> dict:
     resume = resume_root(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    shutil.rmtree(run_dir / RANKS_DIR, ignore_errors=True)  # the pid files of an earlier start
+    clear_records(run_dir)  # srun starts the ranks without `megatron-rl train`, which clears them too
     model_dir = generator_model_dir(cfg.trainer.model, cfg.trainer.precision)
     ports = [cfg.generator.port_base + i for i in range(layout.generators)]
     return {"run_dir": str(run_dir), "model_dir": str(model_dir), "generator_ports": ports,
             "resume_root": str(resume) if resume else None}
 
 
-def write_pid_file(run_dir: Path, rank: int, role: str, host: str) -> None:
-    """RUN_DIR/ranks/<rank>.pid: which process on which node holds each rank (to find, watch or kill
-    one; mpiexec's and srun's messages name a dead rank's pid)."""
-    folder = run_dir / RANKS_DIR
-    folder.mkdir(exist_ok=True)
-    (folder / f"{rank}.pid").write_text(f"{os.getpid()} {role} {host}\n")
+def report(run_dir: Path, failure: WorkerFailure) -> None:
+    """Rank 0: the failure in one line on stderr, and in RUN_DIR for `megatron-rl train` to tell."""
+    log.error("%s", write_report(run_dir, failure))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = comm.Get_rank()
     logs.setup("rank", rank)  # the role is known once the config is read
     args = parse_args(argv)
-    setup = None
+    setup = cfg = None
     try:
         cfg = run_config(args)
         layout = RankLayout.from_config(cfg)
@@ -96,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         nodes = gather_nodes(comm)  # collective; the same list (or the same error) on every rank
         if rank == 0:
             setup = prepare_run(cfg, layout)
-    except (ConfigError, NodeEnvError, RuntimeError, FileNotFoundError, ValueError) as e:
-        if rank == 0:
-            log.error("%s", e)
+    except Exception as e:  # the same on every rank (config, nodes), or rank 0's (prepare_run): rank 0 tells
+        if rank == 0 and cfg is not None:
+            report(Path(cfg.run.output_dir), WorkerFailure.of("controller", 0, "setting up the run failed", e))
+        elif rank == 0:
+            log.error("%s", e)  # a config the ranks cannot read: under `megatron-rl train` it checked it first
         setup = {"error": str(e)}
     setup = comm.bcast(setup, root=0)
     if "error" in setup:
@@ -140,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:
     from megatron_rl.control.controller import Controller, RunFailed, stop_workers, write_summary
     from megatron_rl.control.mailbox import Mailbox
-    from megatron_rl.data import DataError, iter_problems, read_problems
+    from megatron_rl.data import iter_problems, read_problems
     from megatron_rl.rollout.server import startup_timeout
-    from megatron_rl.train.checkpoint_manifest import CheckpointError
     from megatron_rl.train.hf_source import resolve_model
 
     controller = None
@@ -163,14 +160,12 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
         if summary["stopped_early"]:
             log.warning("stopped early and checkpointed; continue with --resume (run dir %s)", run_dir)
     except RunFailed as e:
-        log.error("run failed: %s", e)
+        report(run_dir, e.failure)
         code = 1
-    # bad input first met here (a problem source, a checkpoint to resume): one line, as in the checks above
-    except (ConfigError, DataError, CheckpointError) as e:
-        log.error("%s", e)
-        code = 1
-    except Exception:  # a bug: its traceback is logged, and `finally` still stops the other ranks in order
-        log.exception("the controller failed")
+    # bad input first met here (a problem source, a checkpoint to resume: an InputError, one line) or a bug
+    # (its traceback in RUN_DIR); either way `finally` still stops the other ranks in order
+    except Exception as e:
+        report(run_dir, WorkerFailure.of("controller", 0, "the controller loop failed", e))
         code = 1
     finally:
         if controller is not None:

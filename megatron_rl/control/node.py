@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, MutableMapping, Sequence
 
 from megatron_rl.control.layout import Role
+from megatron_rl.errors import InputError
 
 ADDR_VAR = "MEGATRON_RL_NODE_ADDR"
 LOCAL_RANK_VAR = "MEGATRON_RL_LOCAL_RANK"
@@ -43,7 +44,7 @@ LOOPBACK = "127.0.0.1"
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the interface gloo and NCCL connect through
 
 
-class NodeEnvError(ValueError):
+class NodeEnvError(InputError, ValueError):
     """The environment names a bad address or local rank (the message names the variable)."""
 
 

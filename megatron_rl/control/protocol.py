@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any
 
+from megatron_rl.errors import InputError
 from megatron_rl.records import Batch, Rollout, SampleRequest
 from megatron_rl.sync.sender import SyncTarget
 
@@ -132,22 +133,33 @@ class Stop:
     """Controller -> every worker (trainers: the first, which passes it on): end the rank's loop."""
 
 
+class Cause(str, Enum):
+    """Why a rank failed, which decides what the run says about starting it again."""
+
+    INPUT = "input"  # an InputError: one line; the next start meets the same error
+    CRASH = "crash"  # any other exception: a bug or a broken environment; its traceback is kept
+    LOST = "lost"  # a rank, server or answer lost or late: starting again (--resume) can help
+
+
 @dataclass
 class WorkerFailure:
     role: str
     rank: int
     error: str  # one line
-    trace: str = ""  # the formatted traceback on the failing rank
+    trace: str = ""  # the formatted traceback on the failing rank (a crash only)
     fatal: bool = True  # False: a generator whose samples the controller can re-issue elsewhere
+    cause: Cause = Cause.CRASH
 
     @classmethod
     def of(cls, role: str, rank: int, what: str, exc: BaseException, fatal: bool = True) -> "WorkerFailure":
-        return cls(role, rank, f"{what}: {type(exc).__name__}: {exc}",
+        if isinstance(exc, InputError):  # its message names the file or key to fix: nothing to add
+            return cls(role, rank, str(exc), fatal=fatal, cause=Cause.INPUT)
+        first_line = next(iter(str(exc).splitlines()), "")  # the rest (a server's log tail) is in the trace
+        return cls(role, rank, f"{what}: {type(exc).__name__}: {first_line}",
                    "".join(traceback.format_exception(exc)), fatal)
 
     def describe(self) -> str:
-        trace = f"\n--- traceback on {self.role} rank {self.rank} ---\n{self.trace.rstrip()}" if self.trace else ""
-        return f"{self.role} rank {self.rank} failed: {self.error}{trace}"
+        return f"{self.role} rank {self.rank} failed: {self.error}"
 
 
 class Tag(IntEnum):
@@ -188,4 +200,13 @@ def tag_of(message: object) -> Tag:
 
 
 class RunFailed(RuntimeError):
-    """A worker failed in a way the run cannot recover from; the message says which and why."""
+    """The run cannot go on; `failure` names the rank, the error and its cause (the controller's own
+    by default, e.g. a timeout: `RunFailed(message, Cause.LOST)`)."""
+
+    def __init__(self, message: str, cause: Cause = Cause.CRASH, failure: WorkerFailure | None = None):
+        super().__init__(message)
+        self.failure = failure or WorkerFailure("controller", 0, message, cause=cause)
+
+    @classmethod
+    def of(cls, failure: WorkerFailure) -> "RunFailed":
+        return cls(failure.describe(), failure=failure)

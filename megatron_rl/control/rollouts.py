@@ -24,7 +24,7 @@ from megatron_rl.control.grading import GradingLedger, LocalGrader
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.problems import ProblemQueue, parse_length_schedule, stage_at
-from megatron_rl.control.protocol import GenerateRequest, GradeItem, GradeRequest, Key, RolloutsReport, RunFailed
+from megatron_rl.control.protocol import Cause, GenerateRequest, GradeItem, GradeRequest, Key, RolloutsReport, RunFailed
 from megatron_rl.control.run_log import RunLog
 from megatron_rl.control.verifiers import VerifierRanks
 from megatron_rl.data.prompts import get_template, render_prompt_ids
@@ -99,7 +99,7 @@ class RolloutFlow:
         `sampling` overrides the rollout's sampling (the evaluation's temperature)."""
         alive = self.alive_generators()
         if not alive:
-            raise RunFailed("every generator is dead")
+            raise RunFailed("every generator is dead", Cause.LOST)
         by_group: dict[str, list[SampleRequest]] = {}
         for s in requests:
             by_group.setdefault(s.group_id, []).append(s)
@@ -178,7 +178,7 @@ class RolloutFlow:
                   f"ranks", file=sys.stderr, flush=True)
             if not self.verifiers.live():
                 raise RunFailed(f"verifier rank {rank} answered no grading request within its reply timeout "
-                                f"(reward.verifier_reply_timeout_s) and no other verifier rank is live")
+                                f"(reward.verifier_reply_timeout_s) and no other verifier rank is live", Cause.LOST)
             if items:
                 self._submit_grades(items)
 

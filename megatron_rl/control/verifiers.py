@@ -16,7 +16,7 @@ from collections import deque
 from typing import Callable
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.control.protocol import GradeItem, Key, RunFailed
+from megatron_rl.control.protocol import Cause, GradeItem, Key, RunFailed
 
 REPLY_SLACK_S = 30.0  # message transfer and a grading process restart, on top of the grading itself
 POOL_ATTEMPTS = 2  # reward.VerifierPool grades an item again once when its grading process crashed
@@ -47,7 +47,7 @@ class VerifierRanks:
         """The rank for the next request: the live ones in turn."""
         live = self.live()
         if not live:
-            raise RunFailed(f"no live verifier rank is left{why}; continue with --resume once they work")
+            raise RunFailed(f"no live verifier rank is left{why}", Cause.LOST)
         self._next += 1
         return live[self._next % len(live)]
 

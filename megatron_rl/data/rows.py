@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.config_data import DataConfig
+from megatron_rl.errors import InputError
 from megatron_rl.records import Problem
 
 ROLES = ("system", "user", "assistant")
 _MISSING = object()
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """A problem set cannot be read or a problem does not follow the task schema."""
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_rl.errors import InputError
+
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 VERIFY_MODES = ("checksum", "size")
@@ -32,7 +34,7 @@ _CHUNK = 4 << 20
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint that cannot be used: damaged, incomplete, or not what the caller needs."""
 
 

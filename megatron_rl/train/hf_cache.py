@@ -12,8 +12,10 @@ import json
 import os
 from pathlib import Path
 
+from megatron_rl.errors import InputError
 
-class ModelUnavailable(FileNotFoundError):
+
+class ModelUnavailable(InputError, FileNotFoundError):
     """trainer.model is neither a known name, a local HF directory nor a hub id in the local cache, or
     its family is not one the trainer builds."""
 

@@ -2,6 +2,8 @@
 own module, so neither imports the other for it)."""
 from __future__ import annotations
 
+from megatron_rl.errors import InputError
 
-class UnsupportedModelError(ValueError):
+
+class UnsupportedModelError(InputError, ValueError):
     pass

@@ -56,13 +56,18 @@ def fetch() -> int:
 
 def cuda_or_exit() -> str:
     """The device's name; exit 2 at once without CUDA (the checks would only skip or fail one by one)."""
-    import torch
-
+    try:
+        import torch
+    except ImportError as e:
+        _no_cuda(f"{sys.executable}: {e}")
     if not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-              "run ./dev gpu-check on a machine lent a GPU", file=sys.stderr)
-        sys.exit(2)
+        _no_cuda(f"torch {torch.__version__}, CUDA build {torch.version.cuda}")
     return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda})"
+
+
+def _no_cuda(why: str) -> None:
+    print(f"gpu-check: no CUDA device here ({why}): run ./dev gpu-check on a machine lent a GPU", file=sys.stderr)
+    sys.exit(2)
 
 
 def env() -> dict[str, str]:

@@ -133,11 +133,6 @@ class RewardConfig:
         check(self.regrade_attempts >= 0, f"{key}.regrade_attempts", "must be >= 0 (0: drop the group at once)")
         check(self.verifier_reply_timeout_s is None or self.verifier_reply_timeout_s > 0,
               f"{key}.verifier_reply_timeout_s", "must be > 0 or null (derived from verifier_item_timeout_s)")
-        if self.custom is not None:  # load it now: a typo fails at config load, naming the key
-            from megatron_rl.reward.custom import plugin_error
-
-            why = plugin_error(self.custom)
-            check(why is None, f"{key}.custom", why or "")
 
 
 @dataclass

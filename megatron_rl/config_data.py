@@ -44,11 +44,4 @@ class DataConfig:
         for name in ("prompt_key", "answer_key", "tests_key", "language_key"):
             check(bool(getattr(self, name).strip()), f"{key}.{name}", "must name a column")
         check(bool(self.system_prompt.strip()), f"{key}.system_prompt", "must be a template name or text")
-        from megatron_rl.data.prompts import get_template  # the data package imports this module
-
-        try:  # an unknown template name or an unreadable system_prompt_file fails at config load
-            get_template(self)
-        except ValueError as e:
-            file_error = str(e).startswith("data.system_prompt_file")
-            check(False, f"{key}.system_prompt_file" if file_error else f"{key}.system_prompt",
-                  str(e).removeprefix("data.system_prompt_file "))
+        # the template exists and system_prompt_file reads: pre-flight (control.preflight.check_config)

@@ -16,8 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megatron_rl.control.preflight import check_config
+
     try:
         cfg = load_config_args(args.config, args.overrides)
+        check_config(cfg)  # the keys only running code can check: a plug-in that loads, a template that exists
     except ConfigError as e:
         log.error("config error: %s", e)
         return 1

@@ -55,10 +55,12 @@ def grade(cfg, task: dict, response: str, num_tokens: int):
 
 def main(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError, load_config_args
+    from megatron_rl.control.preflight import check_config
     from megatron_rl.reward import TaskError
 
     try:
         cfg = load_config_args(args.config, args.overrides)
+        check_config(cfg)  # reward.custom loads here (and the rest pre-flight checks by running code)
         task = json.loads(Path(args.task).read_text(encoding="utf-8"))
         response = sys.stdin.read() if args.response == "-" else Path(args.response).read_text(encoding="utf-8")
         num_tokens = args.num_tokens if args.num_tokens is not None else count_tokens(cfg.trainer.model, response)

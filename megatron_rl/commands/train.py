@@ -60,6 +60,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     try:  # before any rank starts: a model not here, a problem set that cannot load, ungradable code tasks
         check_code_sandbox(cfg)
+    except ConfigError as e:  # keys checked by running code (reward.custom, data.system_prompt)
+        log.error("config error: %s", e)
+        return 1
     except (DataError, SandboxUnavailable, ModelUnavailable) as e:
         log.error("%s", e)
         return 1

@@ -1,13 +1,17 @@
 """What `megatron-rl train` checks before any rank starts work: rewards it could not compute must not
 become a run that trains on nothing (every code group dropped as a grading failure).
 
+`check_config` holds the checks of config keys that must run code to be checked (the reward plug-in
+loads, the prompt template exists): the config package validates values only and imports nothing of
+the rest of megatron_rl. Its errors are the same one-line ConfigErrors naming the key.
+
 The check runs where it is called: in the launching process and on rank 0. Verifier ranks on other
 nodes are not probed here; if their sandbox cannot run, the controller stops the run once no sample
 can be graded (control.grading.GradingLedger).
 """
 from __future__ import annotations
 
-from megatron_rl.config import Config
+from megatron_rl.config import Config, ConfigError
 from megatron_rl.reward.sandbox import SandboxUnavailable
 
 # Sources whose tasks can be code: a JSONL or parquet file, and HumanEval (which the data loader refuses for
@@ -26,6 +30,24 @@ def code_languages(cfg: Config) -> list[str]:
     return sorted({p.task.get("language", "python") for p in problems if p.task.get("kind") == "code"})
 
 
+def check_config(cfg: Config) -> None:
+    """ConfigError naming the key when reward.custom cannot be loaded here, or data.system_prompt is no
+    known template (nor text) or data.system_prompt_file cannot be read."""
+    from megatron_rl.data.prompts import get_template
+    from megatron_rl.reward.custom import plugin_error
+
+    if cfg.reward.custom is not None:  # load it now: a typo fails before launch, naming the key
+        why = plugin_error(cfg.reward.custom)
+        if why is not None:
+            raise ConfigError(f"reward.custom: {why}")
+    try:
+        get_template(cfg.data)
+    except ValueError as e:
+        if str(e).startswith("data.system_prompt_file"):
+            raise ConfigError(f"data.system_prompt_file: {str(e).removeprefix('data.system_prompt_file ')}") from None
+        raise ConfigError(f"data.system_prompt: {e}") from None
+
+
 def check_model(cfg: Config) -> None:
     """ModelUnavailable (one line) when trainer.model cannot be found here (no downloads) or is of a
     family the trainer does not build (the supported ones are listed); ConfigError when
@@ -41,11 +63,12 @@ def check_model(cfg: Config) -> None:
 
 
 def check_code_sandbox(cfg: Config) -> None:
-    """The checks before any rank starts: the model (check_model), then SandboxUnavailable (one line,
-    with the probe's own error) when the problem set has code tasks and the sandbox cannot grade a
-    program of their language here."""
+    """The checks before any rank starts: the keys that need code to check (check_config), the model
+    (check_model), then SandboxUnavailable (one line, with the probe's own error) when the problem set
+    has code tasks and the sandbox cannot grade a program of their language here."""
     from megatron_rl.reward.code import sandbox_probe
 
+    check_config(cfg)
     check_model(cfg)
 
     for language in code_languages(cfg):

@@ -4,7 +4,7 @@ Public entry points: ``score(task, response, config=None, num_tokens=None) -> Re
 ``score_batch(items, config=None)`` and ``VerifierPool`` (parallel worker processes), the task
 schema in ``megatron_rl.reward.types``. This package imports neither Megatron nor SGLang.
 """
-from megatron_rl.reward.compose import score
+from megatron_rl.reward.grade import score
 from megatron_rl.reward.pool import PoolStats, VerifierPool, score_batch
 from megatron_rl.reward.types import CodeTask, MathTask, RewardBreakdown, TaskError, parse_task
 

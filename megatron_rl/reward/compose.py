@@ -5,13 +5,13 @@ A code answer whose program could not be run (no sandbox) gets status "sandbox_u
 verdict, never ``correct=False``: an environment fault must not read as a wrong answer.
 
 math and code verifiers are imported lazily (inside the functions) so this module, and the
-language/format/length parts, import and work on their own.
+language/format/length parts, import and work on their own. `score` (reward.grade) picks this or the
+plug-in of reward.custom.
 """
 from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import asdict
 from typing import Any
 
 from megatron_rl.config import RewardConfig
@@ -80,35 +80,7 @@ def penalty_window(cfg: RewardConfig, l_max: int | None = None, l_cache: int | N
     return l_max, l_cache
 
 
-def score(task: dict | Task, response: str, config: RewardConfig | None = None,
-          num_tokens: int | None = None, *, l_max: int | None = None,
-          l_cache: int | None = None) -> RewardBreakdown:
-    """Grade one response. ``num_tokens`` is the completion length in tokens for the overlong
-    penalty; when None it is estimated from the text (megatron_rl.reward.length.estimate_tokens).
-    ``l_max`` / ``l_cache`` override the config's penalty window for this response (the length stage
-    it was generated under); the config itself is never modified. With ``reward.custom`` set, the
-    plug-in it names grades instead of the built-in reward (megatron_rl.reward.custom).
-
-    Raises TaskError on a task dict that does not follow megatron_rl.reward.types.
-    """
-    cfg = config if config is not None else RewardConfig()
-    if not cfg.custom:
-        return builtin_score(task, response, cfg, num_tokens, l_max=l_max, l_cache=l_cache)
-    from megatron_rl.reward.custom import RewardContext, custom_score
-
-    start = time.perf_counter()
-    window = penalty_window(cfg, l_max, l_cache)
-    parsed = parse_task(task)
-    _check_response(response, num_tokens)
-    task_dict = dict(task) if isinstance(task, dict) else asdict(parsed)
-    n_tok = estimate_tokens(response) if num_tokens is None else num_tokens
-    ctx = RewardContext(cfg, n_tok, num_tokens is None, window[0], window[1], task_dict)
-    out = custom_score(cfg.custom, task_dict, response, ctx)
-    out.elapsed_s = time.perf_counter() - start
-    return out
-
-
-def _check_response(response: Any, num_tokens: Any) -> None:
+def check_response_args(response: Any, num_tokens: Any) -> None:
     if not isinstance(response, str):
         raise TypeError(f"response must be a string, got {type(response).__name__}")
     if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
@@ -124,7 +96,7 @@ def builtin_score(task: dict | Task, response: str, config: RewardConfig | None 
     cfg = config if config is not None else RewardConfig()
     window = penalty_window(cfg, l_max, l_cache)
     parsed = parse_task(task)
-    _check_response(response, num_tokens)
+    check_response_args(response, num_tokens)
     estimated = num_tokens is None
     n_tok = estimate_tokens(response) if estimated else num_tokens
     language_ok: bool | None = False if cfg.language_check else None  # None: not checked, not a failure

@@ -27,7 +27,8 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Sequence
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.reward.compose import penalty_window, score
+from megatron_rl.reward.compose import penalty_window
+from megatron_rl.reward.grade import score
 from megatron_rl.reward.types import RewardBreakdown, TaskError, parse_task
 
 # fn(task, response, config, num_tokens[, l_max=, l_cache=]) -> RewardBreakdown; the keywords are

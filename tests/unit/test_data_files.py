@@ -125,10 +125,13 @@ def test_prompts_render_with_system_prompt_text_file_and_template_kwargs(tmp_pat
 
 
 def test_prompt_settings_are_checked_at_config_load(tmp_path):
+    """Values at config load; that the template exists and the file reads, at pre-flight (check_config)."""
+    from megatron_rl.control.preflight import check_config
+
     with pytest.raises(ConfigError, match="data.system_prompt: unknown prompt template 'magistrall'"):
-        load_config(None, ["data.system_prompt=magistrall"])
+        check_config(load_config(None, ["data.system_prompt=magistrall"]))
     with pytest.raises(ConfigError, match="data.system_prompt_file: .*nope.txt"):
-        load_config(None, [f"data.system_prompt_file={tmp_path / 'nope.txt'}"])
+        check_config(load_config(None, [f"data.system_prompt_file={tmp_path / 'nope.txt'}"]))
     with pytest.raises(ConfigError, match="data.chat_template_kwargs: must be a mapping"):
         load_config(None, ["data.chat_template_kwargs=[1]"])
     with pytest.raises(ConfigError, match="data.path: required when source is parquet"):

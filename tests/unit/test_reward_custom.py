@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from megatron_rl.config import ConfigError, RewardConfig, load_config
+from megatron_rl.control.preflight import check_config
 from megatron_rl.reward import VerifierPool, score
 from megatron_rl.reward.compose import builtin_score
 from megatron_rl.reward.custom import ENTRY_POINT_GROUP, RewardPluginError, load_reward_fn
@@ -69,8 +70,8 @@ def test_file_plugin_and_its_load_errors(tmp_path, monkeypatch):
              "support.reward_plugins:two_args": "must take (task, response, ctx)",
              "no_such_entry_point": f"no entry point 'no_such_entry_point' in group {ENTRY_POINT_GROUP}"}
     for spec, why in cases.items():
-        with pytest.raises(ConfigError, match=f"reward.custom: .*{re.escape(why)}"):
-            load_config(None, [f"reward.custom={spec}"])
+        with pytest.raises(ConfigError, match=f"reward.custom: .*{re.escape(why)}"):  # pre-flight loads it
+            check_config(load_config(None, [f"reward.custom={spec}"]))
     with pytest.raises(RewardPluginError, match="reward.custom 'missing.py:f'"):  # the pool refuses it too
         VerifierPool(_unchecked(custom="missing.py:f"))
 
@@ -90,7 +91,7 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
     assert score(MATH, "so\n55", cfg.reward).total == 1.0
     assert score(MATH, "so\n56", cfg.reward).total == 0.0
     with pytest.raises(ConfigError, match="installed: last_line"):
-        load_config(None, ["reward.custom=first_line"])
+        check_config(load_config(None, ["reward.custom=first_line"]))
 
 
 def test_a_plugin_may_leave_the_language_unchecked(tmp_path):

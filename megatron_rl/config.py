@@ -195,6 +195,9 @@ class GeneratorConfig:
     # Time allowed for a server to become healthy. null: 600 s + the model's weights read at 100 MB/s (a
     # cold first start from shared storage: CUDA graphs, kernel compilation); the error names this key.
     startup_timeout_s: float | None = None
+    # Longest a request's stream may stay silent (queued, paused for an update, or a hung server) before
+    # the run stops with an error naming the server; a completion's length is not limited by it. null: no limit.
+    request_idle_timeout_s: float | None = 3600.0
     extra_args: list[str] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
@@ -207,6 +210,8 @@ class GeneratorConfig:
                f"{key}.mem_fraction_static", "must lie in (0, 1) or be null")
         check(self.startup_timeout_s is None or self.startup_timeout_s > 0,
               f"{key}.startup_timeout_s", "must be > 0 or null (derived from the model's size)")
+        check(self.request_idle_timeout_s is None or self.request_idle_timeout_s > 0,
+              f"{key}.request_idle_timeout_s", "must be > 0 or null (no limit)")
 
 
 @dataclass

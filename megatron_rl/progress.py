@@ -33,12 +33,15 @@ def eta_text(done: float, total: float | None, elapsed_s: float) -> str:
 
 
 class Progress:
-    """`with Progress(total, "grading", unit="sample") as p: ... p.update(n)`; a no-op when quiet."""
+    """`with Progress(total, "grading", unit="sample") as p: ... p.update(n)`; a no-op when quiet.
+    `set_postfix(text)` shows what moves between units (tokens streamed while completions run): on the
+    bar at once, in a log file as a line at most every LOG_EVERY_S."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", *, enabled: bool = True,
                  unit_scale: bool = False):
         self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
         self.done, self.t0 = 0, time.monotonic()
+        self.postfix, self._last_line = "", 0.0  # elapsed seconds at the last log line
         on = enabled and not quiet()
         self._bar = None
         self._log_lines = on and not sys.stderr.isatty()
@@ -66,10 +69,23 @@ class Progress:
                 return
             else:
                 self._next_log = elapsed + LOG_EVERY_S
-            size = self._size
-            of = f"/{size(self.total)}" if self.total else ""
-            log.info("%s: %s%s %s (%.0f s, %s)", self.desc, size(self.done), of, self.unit, elapsed,
-                     eta_text(self.done, self.total, elapsed))
+            self._log_line(elapsed)
+
+    def set_postfix(self, text: str) -> None:
+        self.postfix = text
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+        elif self._log_lines:
+            elapsed = time.monotonic() - self.t0
+            if elapsed >= self._last_line + LOG_EVERY_S:
+                self._log_line(elapsed)
+
+    def _log_line(self, elapsed: float) -> None:
+        self._last_line = elapsed
+        size = self._size
+        of = f"/{size(self.total)}" if self.total else ""
+        log.info("%s: %s%s %s (%.0f s, %s)%s", self.desc, size(self.done), of, self.unit, elapsed,
+                 eta_text(self.done, self.total, elapsed), f", {self.postfix}" if self.postfix else "")
 
     def _size(self, n: float) -> str:
         if not self.unit_scale:

@@ -51,7 +51,7 @@ def add_config_argument(parser: argparse.ArgumentParser, *, required: bool, over
                         help="YAML run config" if required else "YAML run config (the defaults when omitted)")
     if alias:
         parser.add_argument("--config", dest="config_option", metavar="CONFIG",
-                            help="deprecated spelling of the positional CONFIG")
+                            help="deprecated spelling of the positional CONFIG (default: none)")
     if overrides:
         parser.add_argument("overrides", nargs="*", metavar="key=value",
                             help="dotted config overrides, anywhere after the command, e.g. run.updates=30")

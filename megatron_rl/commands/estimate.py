@@ -14,7 +14,8 @@ log = get_logger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser, required=True)
     parser.add_argument("--cluster", help="YAML of megatron_rl.tools.estimate.Cluster (GPU memory, bandwidth, ...); the generator TP is the "
-                        "config's generator.tp_size (a generator_tp here must agree with it)")
+                        "config's generator.tp_size (a generator_tp here must agree with it); default: 80 GB H100s, "
+                        "8 per node")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 

@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", help="metrics copies, table.md, figure.png (default experiments/NAME/results)")
     parser.add_argument("--arms", help="comma-separated subset of the arms (default: all)")
     parser.add_argument("--base-model", help="HF directory (or smollm2-135m) to start RL from instead of the "
-                        "SFT cold start made in PREP, e.g. runs/cpu_demo/sft-hf")
-    parser.add_argument("--data", help="directory with problems.jsonl (and eval.jsonl) instead of the demo's data")
+                        "SFT cold start made in PREP (the default), e.g. runs/cpu_demo/sft-hf")
+    parser.add_argument("--data", help="directory with problems.jsonl (and eval.jsonl) (default: the demo's data)")
     parser.add_argument("--prepare-dir", help="where data and the SFT model are made once (default OUT/../_prepare)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run, e.g. "
                         "rollout.n_batch=8")

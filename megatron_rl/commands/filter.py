@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f = sub.add_parser("format", help="format filtering of a raw problem JSONL")
     f.add_argument("input", help="JSONL rows {id?, problem|prompt, answer, choices?}")
     f.add_argument("out", help="kept problems (JSONL, readable by data.source=jsonl)")
-    f.add_argument("--report", help="write the counts (JSON) here too")
+    f.add_argument("--report", help="write the counts (JSON) here too (default: printed only)")
     d = sub.add_parser("difficulty", help="one stage of pass-rate band filtering",
                        description="one stage of pass-rate band filtering; the optional CONFIG gives trainer.model, "
                                    "rollout.* sampling and generator.*, and key=value overrides may follow anywhere")
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--min-pass", type=float, default=0.01, help="keep pass rate >= this (drops never solved)")
     d.add_argument("--max-pass", type=float, default=0.99, help="keep pass rate <= this (drops always solved)")
     d.add_argument("--stage", type=int, default=1, help="stage label written to each row")
-    d.add_argument("--all-out", help="every problem with its pass rate (JSONL)")
+    d.add_argument("--all-out", help="every problem with its pass rate (JSONL; default: not written)")
 
 
 def _format(args) -> int:
@@ -61,17 +61,18 @@ def _difficulty(args) -> int:
     from megatron_rl.data.sources import DataError
     from megatron_rl.tools.cli_common import load_problems, open_sampler, write_jsonl
     from megatron_rl.tools.filter_difficulty import difficulty_filter
+    from megatron_rl.tools.sampling import SamplingFailed
 
     try:
         problems = load_problems(args)
         sampler, close = open_sampler(args)
-    except (DataError, ValueError, OSError, ImportError) as e:
+    except (DataError, ValueError, OSError, ImportError, SamplingFailed) as e:
         log.error("%s", e)
         return 1
     try:
         report = difficulty_filter(problems, sampler, args.k, args.min_pass, args.max_pass, args.stage,
                                    workers=args.workers)
-    except ValueError as e:
+    except (ValueError, SamplingFailed) as e:
         log.error("%s", e)
         return 1
     finally:

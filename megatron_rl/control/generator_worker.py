@@ -29,8 +29,8 @@ def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: in
     g = cfg.generator
     return ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
-                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), tp_size=g.tp_size,
-                      host=host, gpu_ids=gpus)
+                      startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
+                      extra_args=list(g.extra_args), tp_size=g.tp_size, host=host, gpu_ids=gpus)
 
 
 def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,

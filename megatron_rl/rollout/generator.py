@@ -16,6 +16,9 @@ sample is re-issued from scratch. The relaunched server serves the weights on di
 version, and the controller is expected to push the current weights (senders re-create their
 update groups because `incarnation` changed). With `on_death="raise"`, or once `max_restarts` is
 exhausted, `get()` raises `GeneratorDied` and the unfinished samples are listed in it.
+A request whose stream stays silent past the server's `request_idle_timeout_s` is no death (the
+server may still answer /health while hung): `get()` raises the client's `GenerationTimeout`.
+`tokens_streamed` counts the output tokens received so far (progress while completions run).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class Sample:
     sampling: dict[str, Any]
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     attempts: int = 0
+    streamed: int = 0  # output tokens received by its current attempt
 
 
 class Generator:
@@ -71,6 +75,7 @@ class Generator:
         self.cache = PrefixCachePolicy(self.config.prefix_cache_max_staleness,
                                        version=server.spec.initial_version)
         self.needs_weight_sync = False
+        self.tokens_streamed = 0  # output tokens received so far, over every request (progress)
         self._out: queue.Queue[Rollout | BaseException] = queue.Queue()
         self._pending: dict[str, Sample] = {}
         self._lock = threading.Lock()
@@ -162,8 +167,9 @@ class Generator:
             body = {"input_ids": s.request.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
                     "rid": f"{s.rid}-{s.attempts}", "cache_salt": self.cache.salt()}
             s.attempts += 1
+            s.streamed = 0  # a re-issued sample streams from its first token again
             try:
-                out = self.server.client.generate(body)
+                out = self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n))
             except ServerUnreachable as e:
                 self._on_unreachable(s, incarnation, e)
                 return
@@ -178,6 +184,11 @@ class Generator:
             self._out.put(e)
             with self._lock:
                 self._pending.pop(s.rid, None)
+
+    def _count_tokens(self, s: Sample, n: int) -> None:
+        with self._lock:
+            self.tokens_streamed += n - s.streamed
+            s.streamed = n
 
     def get(self, timeout: float | None = None) -> Rollout | None:
         """Next finished rollout, or None after `timeout`; raises what a worker hit."""

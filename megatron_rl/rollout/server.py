@@ -46,6 +46,7 @@ class ServerSpec:
     initial_version: int = 0  # weight version of the weights on disk
     mem_fraction_static: float | None = None
     startup_timeout_s: float | None = None  # None: derived from the model's size (startup_timeout)
+    request_idle_timeout_s: float | None = 3600.0  # longest silence of one /generate stream (None: no limit)
     extra_args: list[str] = field(default_factory=list)
     threads: int | None = None  # OMP_NUM_THREADS for the server process (None: inherit)
     # SGLang's overlap scheduler keeps one forward pass in flight across an in_place pause; its token
@@ -123,7 +124,7 @@ class SGLangServer:
         self.spec = spec
         host = f"[{spec.host}]" if ":" in spec.host else spec.host
         self.url = f"http://{host}:{spec.port}"
-        self.client = SGLangClient(self.url)
+        self.client = SGLangClient(self.url, idle_timeout_s=spec.request_idle_timeout_s)
         self.log_path = Path(spec.log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{spec.port}.log")
         self.proc: subprocess.Popen | None = None
         self.incarnation = 0  # bumps on every (re)start: update groups must be re-created after one

@@ -11,11 +11,11 @@ from megatron_rl.records import Problem
 
 def add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="jsonl", choices=["jsonl", "reasoning_gym", "humaneval", "champ"])
-    p.add_argument("--path", help="problem JSONL (source jsonl)")
+    p.add_argument("--path", help="problem JSONL (default: none; required with --source jsonl)")
     p.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task (source reasoning_gym)")
     p.add_argument("--size", type=int, default=100, help="reasoning-gym problems to generate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="use only the first N problems")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N problems (default: all)")
 
 
 def load_problems(args: argparse.Namespace) -> list[Problem]:
@@ -39,34 +39,53 @@ def load_problems(args: argparse.Namespace) -> list[Problem]:
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    from megatron_rl.config import RolloutConfig
+
+    rollout = RolloutConfig()  # the sampling defaults a config without a rollout section gives
     p.add_argument("--samples", help="JSONL of {problem_id, response} completions made elsewhere "
-                                     "(instead of sampling with an SGLang server)")
-    p.add_argument("--model", help="model to sample from (overrides trainer.model)")
+                                     "(default: none, sample with an SGLang server)")
+    p.add_argument("--model", help="model to sample from (default: the config's trainer.model)")
     p.add_argument("--template", default=None, help="system-prompt template (default: data.system_prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"longest completion (default: rollout.max_new_tokens, {rollout.max_new_tokens}); "
+                        "the time of a run grows with it: on a CPU keep it to a few hundred")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature (default: rollout.temperature, {rollout.temperature:g})")
     p.add_argument("--port", type=int, default=None, help="SGLang port (default: generator.port_base)")
     p.add_argument("--workers", type=int, default=2, help="grading processes")
 
 
-def open_sampler(args: argparse.Namespace):
-    """(sampler, closer) from --samples or an SGLang server started for the configured model."""
+def run_config(args: argparse.Namespace):
+    """The config of CONFIG and its overrides (trainer.model, rollout.*, generator.*, data.system_prompt)."""
     from megatron_rl.config import load_config
 
-    from .sampling import FileSampler, GeneratorSampler, open_generator
+    return load_config(args.config, getattr(args, "overrides", []))
+
+
+def sampling_params(args: argparse.Namespace, cfg) -> dict:
+    """SGLang sampling parameters: the flags, else the config's rollout section."""
+    return {"temperature": args.temperature if args.temperature is not None else cfg.rollout.temperature,
+            "top_p": cfg.rollout.top_p, "max_new_tokens": args.max_new_tokens or cfg.rollout.max_new_tokens}
+
+
+def open_sampler(args: argparse.Namespace, cfg=None):
+    """(sampler, closer) from --samples or an SGLang server started for the configured model."""
+    from megatron_rl.rollout.server import ServerStartError
+
+    from .sampling import FileSampler, GeneratorSampler, SamplingFailed, open_generator
 
     if args.samples:
         return FileSampler(args.samples), (lambda: None)
-    cfg = load_config(args.config, getattr(args, "overrides", []))  # trainer.model, rollout.*, generator.*
+    cfg = cfg or run_config(args)
     model = args.model or cfg.trainer.model
-    sampling = {"temperature": args.temperature if args.temperature is not None else cfg.rollout.temperature,
-                "top_p": cfg.rollout.top_p,
-                "max_new_tokens": args.max_new_tokens or cfg.rollout.max_new_tokens}
-    gen = open_generator(model, args.port or cfg.generator.port_base, cfg.rollout, cfg.generator)
+    try:
+        gen = open_generator(model, args.port or cfg.generator.port_base, cfg.rollout, cfg.generator)
+    except ServerStartError as e:
+        raise SamplingFailed(str(e)) from e
     from megatron_rl.train.hf_source import resolve_model
 
     tokenizer = resolve_model(model).tokenizer()
-    sampler = GeneratorSampler(gen, tokenizer, args.template or cfg.data.system_prompt, sampling)
+    sampler = GeneratorSampler(gen, tokenizer, args.template or cfg.data.system_prompt, sampling_params(args, cfg))
     return sampler, gen.close
 
 

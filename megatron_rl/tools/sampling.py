@@ -10,14 +10,22 @@ Two sources of completions, one interface (`Sampler.sample(problems, k) -> {prob
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from megatron_rl.data.sources import utf8_lines
 from megatron_rl.progress import Progress
-from megatron_rl.records import Problem
+from megatron_rl.records import Problem, Rollout
+
+TICK_S = 1.0  # how often the progress line shows the tokens streamed so far
+
+
+class SamplingFailed(RuntimeError):
+    """The generator could not produce the samples (server start, timeout, death, refusal): one line."""
 
 
 @dataclass(frozen=True)
@@ -60,19 +68,23 @@ class FileSampler:
 
 
 class GeneratorSampler:
-    """k samples per problem from a started `rollout.Generator` (all problems in flight at once)."""
+    """k samples per problem from a started `rollout.Generator` (all problems in flight at once).
+    A request that stays silent too long fails on the server's `request_idle_timeout_s`, not here."""
 
     def __init__(self, generator, tokenizer, template: str = "magistral", sampling: dict | None = None,
-                 timeout_s: float = 3600.0, progress: bool = True):
+                 progress: bool = True):
         from megatron_rl.data.prompts import get_template
 
         self.generator, self.tokenizer = generator, tokenizer
         self.template = get_template(template)
         self.sampling = dict(sampling or {})
-        self.timeout_s, self.progress = timeout_s, progress
+        self.progress = progress
 
     def sample(self, problems: list[Problem], k: int) -> dict[str, list[Completion]]:
         from megatron_rl.data.prompts import render_prompt_ids
+        from megatron_rl.rollout.client import GenerationTimeout, SGLangHTTPError
+        from megatron_rl.rollout.generator import GeneratorDied
+        from megatron_rl.rollout.outputs import MalformedOutput
 
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -84,15 +96,31 @@ class GeneratorSampler:
                                   group_size=k, sampling=self.sampling)
         out: dict[str, list] = {pid: [None] * k for pid in ids}
         with Progress(k * len(problems), "sampling", unit="completion", enabled=self.progress) as bar:
-            for r in self.generator.completions(timeout=self.timeout_s):
-                text = self.template.assistant_prefix + self.tokenizer.decode(r.completion_ids,
-                                                                              skip_special_tokens=True)
-                out[r.group_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
-                bar.update(1)
+            try:
+                for r in self._finished(bar):
+                    text = self.template.assistant_prefix + self.tokenizer.decode(r.completion_ids,
+                                                                                  skip_special_tokens=True)
+                    out[r.group_id][r.sample_index] = Completion(text, len(r.completion_ids), r.finish_reason)
+                    bar.update(1)
+            except (GenerationTimeout, GeneratorDied, SGLangHTTPError, MalformedOutput) as e:
+                raise SamplingFailed(f"sampling stopped after {bar.done} of {bar.total} completions: {e}") from e
         missing = [pid for pid, cs in out.items() if any(c is None for c in cs)]
         if missing:
-            raise RuntimeError(f"{len(missing)} problems did not get {k} samples: {missing[:5]}")
+            raise SamplingFailed(f"{len(missing)} problems did not get {k} samples: {missing[:5]}")
         return out
+
+    def _finished(self, bar: Progress) -> Iterator[Rollout]:
+        """Finished rollouts until nothing is in flight; each tick puts the tokens streamed on `bar`."""
+        start, t0 = self.generator.tokens_streamed, time.monotonic()
+        while True:
+            busy = self.generator.in_flight  # read before get(): a rollout is queued before it leaves
+            r = self.generator.get(timeout=TICK_S)
+            tokens, elapsed = self.generator.tokens_streamed - start, time.monotonic() - t0
+            bar.set_postfix(f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.0f} tok/s")
+            if r is not None:
+                yield r
+            elif not busy:
+                return
 
 
 def open_generator(model: str, port: int, rollout=None, generator=None, max_concurrency: int = 64,
@@ -106,6 +134,6 @@ def open_generator(model: str, port: int, rollout=None, generator=None, max_conc
     g = generator or GeneratorConfig()
     spec = ServerSpec(str(generator_model_dir(model)), port, max_total_tokens=g.max_total_tokens,
                       log_path=log_path, mem_fraction_static=g.mem_fraction_static,
-                      startup_timeout_s=g.startup_timeout_s, extra_args=list(g.extra_args), threads=threads,
-                      tp_size=g.tp_size)
+                      startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
+                      extra_args=list(g.extra_args), threads=threads, tp_size=g.tp_size)
     return Generator(SGLangServer(spec), rollout or RolloutConfig(), g, max_concurrency=max_concurrency).start()

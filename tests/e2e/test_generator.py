@@ -5,6 +5,7 @@ server's weight version: each test that syncs uses the next version number.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
@@ -84,6 +85,81 @@ def assert_matches_hf(gen, model, version):
 def test_greedy_matches_hf_before_sync(gen, hf):
     assert gen.version == 0
     assert_matches_hf(gen, hf, 0)
+
+
+@contextlib.contextmanager
+def idle_limit(gen, seconds):
+    """The module's server read with a small /generate idle limit (the default is an hour)."""
+    client = gen.server.client
+    before, client.idle_timeout_s = client.idle_timeout_s, seconds
+    try:
+        yield seconds
+    finally:
+        client.idle_timeout_s = before
+
+
+def test_a_completion_longer_than_the_idle_limit_streams_through(gen, hf):
+    """GPU completions run for 330-1600 s; a read limit on the whole answer (600 s) ended the run. Here a
+    completion takes longer than the limit, and a plain read with that limit does fail on it. A chunk per
+    token keeps the gaps ~100x below the limit whatever this machine's load (the default interval gives
+    STREAM_CHUNKS chunks per completion: the other tests)."""
+    import time
+
+    import requests
+
+    n, sampling = 1000, {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True, "stream_interval": 1}
+    with idle_limit(gen, 2.0) as limit:
+        streamed, t0 = gen.tokens_streamed, time.monotonic()
+        gen.submit("slow", PROMPTS[0], group_size=1, sampling=sampling)
+        (r,) = gen.completions(timeout=600)
+        took = time.monotonic() - t0
+    assert took > limit, f"{took:.1f} s: too fast to show anything; raise n"
+    assert gen.tokens_streamed - streamed == n and len(r.completion_ids) == n and r.weight_versions == [0] * n
+    torch.testing.assert_close(torch.tensor(r.behaviour_logprobs), hf_logprobs(hf, PROMPTS[0], r.completion_ids),
+                               atol=3e-3, rtol=1e-3)
+    body = {"input_ids": PROMPTS[0], "sampling_params": sampling, "rid": "plain-read"}
+    with pytest.raises(requests.ReadTimeout):  # what the client did before: nothing arrives until the end
+        requests.post(gen.server.url + "/generate", json=body, timeout=(30, limit))
+    gen.server.client.abort("plain-read")
+
+
+def test_a_silent_stream_fails_naming_the_server_and_setting_and_is_aborted(gen):
+    """A request paused longer than the idle limit: get() raises GenerationTimeout with the server and
+    the key to raise; closing the stream makes SGLang abort the request (else it would run 3000 tokens)."""
+    import time
+
+    from megatron_rl.rollout.client import GenerationTimeout
+
+    c = gen.server.client
+    with idle_limit(gen, 2.0):
+        gen.submit("paused", PROMPTS[0], group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 3000,
+                                                                  "ignore_eos": True})
+        streamed, deadline = gen.tokens_streamed, time.monotonic() + 120
+        while gen.tokens_streamed == streamed:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+        c.pause("in_place")
+        try:
+            with pytest.raises(GenerationTimeout) as e:
+                gen.get(timeout=60)
+        finally:
+            c.resume()
+    assert gen.server.url in str(e.value) and "generator.request_idle_timeout_s" in str(e.value)
+    assert gen.in_flight == 0
+    deadline = time.monotonic() + 10  # flush is refused while any request runs or waits
+    while not c.flush_cache():
+        assert time.monotonic() < deadline, "the timed-out request still runs on the server"
+        time.sleep(0.2)
+
+
+def test_an_error_inside_the_stream_is_an_http_error(gen):
+    """SGLang answers 200 to a streamed request and reports a refusal (a prompt past the context) as a
+    `data: {"error": ...}` chunk: it must surface as SGLangHTTPError, not as an answer."""
+    from megatron_rl.rollout.client import SGLangHTTPError
+
+    with pytest.raises(SGLangHTTPError) as e:
+        gen.server.client.generate({"input_ids": [5] * 5000, "sampling_params": GREEDY})
+    assert e.value.status == 400
 
 
 def test_sampled_group_is_streamed_as_rollouts(gen):

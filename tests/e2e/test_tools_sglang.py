@@ -51,7 +51,7 @@ def test_difficulty_filter_samples_through_the_generator(generator, tiny_llama_d
     from megatron_rl.tools.sampling import GeneratorSampler
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    sampler = GeneratorSampler(generator, tok, "short", {"temperature": 1.0, "max_new_tokens": 8}, timeout_s=300,
+    sampler = GeneratorSampler(generator, tok, "short", {"temperature": 1.0, "max_new_tokens": 8},
                                progress=False)
     samples = sampler.sample(_problems(), 2)
     assert all(len(cs) == 2 and all(c.response.startswith("<think>\n") and 1 <= c.num_tokens <= 8 for c in cs)

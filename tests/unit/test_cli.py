@@ -80,6 +80,31 @@ def test_help_shows_defaults_and_never_none():
         assert "--log-level" in text and "--quiet" in text, path
 
 
+def _value_options(parser, path=()):
+    """(subcommand path, option) for every optional option that takes a value, over the whole command tree."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _value_options(sub, (*path, name))
+        elif action.option_strings and action.nargs != 0 and not action.required and action.help != argparse.SUPPRESS:
+            yield path, action
+
+
+def test_every_option_that_takes_a_value_shows_its_default():
+    """The docs promise `--help` shows each flag's default: a None default must be named in the help
+    (evaluate's --max-new-tokens showed nothing, though it meant rollout.max_new_tokens, 4096)."""
+    from megatron_rl.commands.common import _shows
+
+    hidden = [(" ".join(path), a.option_strings[-1]) for path, a in _value_options(build_parser())
+              if not _shows(a.default) and "default" not in (a.help or "").lower()]
+    assert hidden == []
+    evaluate = " ".join(_help_of("evaluate").split())
+    assert "--max-new-tokens MAX_NEW_TOKENS longest completion (default: rollout.max_new_tokens, 4096)" in evaluate
+    assert "(default: rollout.temperature, 1)" in evaluate and "keep it small: --limit 4" in evaluate
+
+
 def test_help_prints_nothing_on_stderr():
     p = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)

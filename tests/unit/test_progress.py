@@ -41,6 +41,28 @@ def test_a_terminal_gets_a_bar_and_a_log_file_a_line_per_tenth(monkeypatch, capl
     assert "\r" not in sys.stderr.getvalue()
 
 
+def test_a_postfix_shows_movement_between_units(monkeypatch, caplog):
+    """Evaluate's completions can all take minutes: the tokens streamed meanwhile go on the bar at once,
+    and into a log file as a line every LOG_EVERY_S (it printed nothing for 10 minutes before)."""
+    from megatron_rl import progress
+
+    monkeypatch.delenv(QUIET_ENV, raising=False)
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with Progress(4, "sampling", unit="completion") as bar:
+        bar.set_postfix("120 tokens, 60 tok/s")
+    assert "0/4" in term.getvalue() and "120 tokens, 60 tok/s" in term.getvalue()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="megatron_rl.progress"), Progress(4, "sampling") as bar:
+        for t in range(0, 95, 1):  # a tick a second, no completion done
+            now[0] = float(t)
+            bar.set_postfix(f"{t * 10} tokens")
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.progress"]
+    assert lines == [f"sampling: 0/4 it ({t} s, ETA ?), {t * 10} tokens" for t in (30, 60, 90)], lines
+
+
 def test_quiet_shows_nothing(monkeypatch, caplog):
     monkeypatch.setenv(QUIET_ENV, "1")
     for stream in (Terminal(), io.StringIO()):

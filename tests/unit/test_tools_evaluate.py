@@ -154,3 +154,19 @@ def test_summary_per_kind_and_language_matches_enumeration_and_leaves_ungradable
         for key, value in want.items():
             assert got[key] == pytest.approx(value, abs=1e-12), (name, key)
     assert summary["ungradable"] > 0 and any(r.n < k for r in rows)  # the case the fix is about is covered
+
+
+def test_a_cpu_user_is_told_before_the_server_starts_how_to_keep_it_small(monkeypatch, caplog):
+    """getting_started's old step 5 (164 HumanEval problems x 16 samples x 4096 tokens) ran on 2 cores for
+    10 minutes without a word; its new settings stay below the warning."""
+    import logging
+
+    from megatron_rl.commands import evaluate
+
+    monkeypatch.setattr("megatron_rl.platform.has_cuda", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.commands.evaluate"):
+        evaluate._warn_if_slow_on_cpu(4, 4, 128)
+        assert not caplog.records
+        evaluate._warn_if_slow_on_cpu(164, 16, 4096)
+    (record,) = caplog.records
+    assert "10747904 new tokens" in record.getMessage() and evaluate.QUICK in record.getMessage()

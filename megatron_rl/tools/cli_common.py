@@ -56,10 +56,14 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_config(args: argparse.Namespace):
-    """The config of CONFIG and its overrides (trainer.model, rollout.*, generator.*, data.system_prompt)."""
+    """The config of CONFIG and its overrides (trainer.model, rollout.*, generator.*, data.system_prompt),
+    with the checks that run code (the prompt template exists, reward.custom loads) as `train` runs them."""
     from megatron_rl.config import load_config
+    from megatron_rl.control.preflight import check_config
 
-    return load_config(args.config, getattr(args, "overrides", []))
+    cfg = load_config(args.config, getattr(args, "overrides", []))
+    check_config(cfg)
+    return cfg
 
 
 def sampling_params(args: argparse.Namespace, cfg) -> dict:

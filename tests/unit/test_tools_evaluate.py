@@ -170,3 +170,18 @@ def test_a_cpu_user_is_told_before_the_server_starts_how_to_keep_it_small(monkey
         evaluate._warn_if_slow_on_cpu(164, 16, 4096)
     (record,) = caplog.records
     assert "10747904 new tokens" in record.getMessage() and evaluate.QUICK in record.getMessage()
+
+
+def test_evaluate_refuses_an_unknown_template_in_one_line_before_sampling(tmp_path):
+    """The config checks that run code (pre-flight's check_config) run for evaluate as for train."""
+    import subprocess
+    import sys
+
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"id": "a", "prompt": "1+1?", "answer": "2"}\n')
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "evaluate", "--source", "jsonl", "--path",
+                           str(problems), "--n", "1", "--k", "1", "data.system_prompt=no_such_template"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = [ln for ln in proc.stderr.splitlines() + proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "data.system_prompt: unknown prompt template 'no_such_template'" in lines[0], lines

@@ -3,8 +3,8 @@
 Samples N completions per problem (SGLang server for --model, or --samples FILE), grades them with
 the project's verifiers, writes one JSONL row per problem (n, correct, pass_rate, language, ...)
 and prints pass@1 (mean over the N samples) and unbiased pass@k, overall and per language, as JSON.
-Sampling shows completions done and tokens streamed; without a GPU, a run too large to finish soon
-is named before it starts, with the flags that make it small.
+Sampling shows completions done, tokens streamed and the time left at most; without a GPU, a run too
+large to finish soon is named before it starts, with the flags that make it small.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from megatron_rl.data.sources import utf8_lines
-from megatron_rl.progress import Progress
+from megatron_rl.progress import Progress, eta_text
 from megatron_rl.records import Problem, Rollout
 
 TICK_S = 1.0  # how often the progress line shows the tokens streamed so far
@@ -110,13 +110,22 @@ class GeneratorSampler:
         return out
 
     def _finished(self, bar: Progress) -> Iterator[Rollout]:
-        """Finished rollouts until nothing is in flight; each tick puts the tokens streamed on `bar`."""
+        """Finished rollouts until nothing is in flight; each tick puts the tokens streamed on `bar`, with
+        the time left at most (completions end together, so an ETA from completions done means little)."""
         start, t0 = self.generator.tokens_streamed, time.monotonic()
+        done = done_tokens = 0
         while True:
             busy = self.generator.in_flight  # read before get(): a rollout is queued before it leaves
             r = self.generator.get(timeout=TICK_S)
+            if r is not None:
+                done, done_tokens = done + 1, done_tokens + len(r.completion_ids)
             tokens, elapsed = self.generator.tokens_streamed - start, time.monotonic() - t0
-            bar.set_postfix(f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.0f} tok/s")
+            text = f"{tokens} tokens, {tokens / max(elapsed, 1e-9):.0f} tok/s"
+            cap = self.sampling.get("max_new_tokens")
+            if cap and tokens:  # every unfinished completion running to max_new_tokens at this pace
+                left = (bar.total - done) * cap - (tokens - done_tokens)
+                text += f", at most {eta_text(tokens, tokens + left, elapsed).removeprefix('ETA ')} left"
+            bar.set_postfix(text)
             if r is not None:
                 yield r
             elif not busy:

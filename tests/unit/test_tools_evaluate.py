@@ -185,3 +185,43 @@ def test_evaluate_refuses_an_unknown_template_in_one_line_before_sampling(tmp_pa
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() + proc.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1 and "data.system_prompt: unknown prompt template 'no_such_template'" in lines[0], lines
+
+
+def test_the_sampling_line_shows_tokens_and_the_time_left_at_most(monkeypatch):
+    """Between completions (which all end near the end) the line shows tokens streamed, tok/s and the
+    time left if every unfinished completion ran to max_new_tokens at this pace."""
+    from megatron_rl.records import Rollout
+    from megatron_rl.tools import sampling
+
+    def rollout(group_id, n):
+        return Rollout(group_id, 0, [1], [7] * n, [-0.5] * n, [0] * n, "stop")
+
+    class Generator:
+        """Each tick of the sampler reads in_flight, then get(): a scripted (clock, tokens, busy, rollout)."""
+        now, tokens_streamed = 0.0, 0
+        script = iter([(10.0, 50, 2, None), (20.0, 60, 2, rollout("a", 30)), (30.0, 90, 1, rollout("b", 60)),
+                       (31.0, 90, 0, None)])
+
+        def submit(self, *args, **kwargs):
+            pass
+
+        @property
+        def in_flight(self):
+            self.now, self.tokens_streamed, busy, self.next = next(self.script)
+            return busy
+
+        def get(self, timeout):
+            return self.next
+
+    gen = Generator()
+    monkeypatch.setattr(sampling.time, "monotonic", lambda: gen.now)
+    monkeypatch.setattr("megatron_rl.data.prompts.render_prompt_ids", lambda tokenizer, p, template: [1])
+    shown = []
+    monkeypatch.setattr(sampling.Progress, "set_postfix", lambda self, text: shown.append(text))
+    tokenizer = type("Tokenizer", (), {"decode": lambda self, ids, skip_special_tokens: "x" * len(ids)})()
+    sampler = sampling.GeneratorSampler(gen, tokenizer, "short", {"max_new_tokens": 100}, progress=False)
+    out = sampler.sample([Problem("a", "?", {}), Problem("b", "?", {})], 1)
+    assert [c.num_tokens for c in (out["a"][0], out["b"][0])] == [30, 60]
+    # 50 tokens in 10 s, 200 - 50 to come; then b unfinished with 30 streamed: 70 at 3 tok/s; then none
+    assert shown == ["50 tokens, 5 tok/s, at most 00:30 left", "60 tokens, 3 tok/s, at most 00:23 left",
+                     "90 tokens, 3 tok/s, at most 00:00 left", "90 tokens, 3 tok/s, at most 00:00 left"]

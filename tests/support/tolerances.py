@@ -55,14 +55,14 @@ def clipped_loss_error(logprob_err: torch.Tensor, ratio: torch.Tensor, adv: torc
     """
     m = mask.to(torch.float64)
     n = max(int(mask.sum()), 1)
-    adv = _per_token(adv.double(), m)
+    adv = per_token(adv.double(), m)
     ratio = ratio.double()
     propagated = (adv.abs() * ratio * logprob_err.double() * m).sum() / n
     summed = sum_error(n) * (adv.abs() * torch.maximum(ratio, torch.ones_like(ratio)) * 1.3 * m).sum() / n
     return float(propagated + summed)
 
 
-def _per_token(adv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def per_token(adv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Advantages given per sequence [B] or per token [B, T], as [B, T]."""
     return adv[:, None].expand_as(like) if adv.dim() == 1 else adv.expand_as(like)
 
@@ -102,14 +102,6 @@ def adam_step_error(sqrt_v_hat: torch.Tensor, grad_err: torch.Tensor | float, lr
     cap = adam_direction_bound(step, beta1, beta2)
     slope = ((1 - beta1) / bc1 + cap * math.sqrt((1 - beta2) / bc2)) / sqrt_v_hat
     return (lr * slope * grad_err).nan_to_num(posinf=math.inf).clamp_max(2 * lr * cap)
-
-
-def adam_update_error(grad: torch.Tensor, grad_err: torch.Tensor | float, lr: float, step: int,
-                      beta1: float, beta2: float) -> torch.Tensor:
-    """adam_step_error knowing only this step's gradient: v_hat holds (1 - b2) g'^2 / bc2 at least, for
-    every g' between the two gradients."""
-    root = math.sqrt((1 - beta2) / (1 - beta2 ** step))
-    return adam_step_error(root * (grad.abs() - grad_err).clamp_min(0), grad_err, lr, step, beta1, beta2)
 
 
 # Cancellation allowance for the chained bound below: sum |terms| / |result| of the gradients of the

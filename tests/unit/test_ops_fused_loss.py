@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.algo.loss import clipped_token_loss, clipped_token_loss_with_stats
 from megatron_rl.ops import _backend, fused_clipped_loss, fused_linear_clipped_loss, token_logprobs
-from support.tolerances import clipped_loss_error, logprob_error, rounding_to, sum_error, unit_roundoff
+from support.tolerances import clipped_loss_error, logprob_error, per_token, rounding_to, sum_error, unit_roundoff
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 # (advantage sign, ratio) per regime; None = masked token
@@ -79,8 +79,7 @@ def bounds(logits, targets, behaviour, adv, mask, logit_err: float = 0.0):
     lp_err = 2 * logprob_error(logits.shape[-1], exact) + 2 * logit_err
     loss_atol = clipped_loss_error(lp_err, ratio, adv, mask)
     grad_rtol = 2 * float(lp_err.max()) + 8 * unit_roundoff(torch.float32)
-    adv = adv.double().abs()
-    c_max = float(((adv[:, None] if adv.dim() == 1 else adv) * ratio * mask).max() / mask.sum())
+    c_max = float((per_token(adv.double().abs(), ratio) * ratio * mask).max() / mask.sum())
     return loss_atol, grad_rtol, grad_rtol * c_max
 
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Regenerate docs/config.md from megatron_rl/config.py (`--check`: exit 1 if it is out of date)."""
+"""Regenerate docs/config.md from megatron_rl/config/ (`--check`: exit 1 if it is out of date)."""
 import sys
 from pathlib import Path
 
-from megatron_rl.tools.config_docs import render
+from megatron_rl.config.docs import render
 
 TARGET = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

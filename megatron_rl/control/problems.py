@@ -1,5 +1,4 @@
-"""The problem stream: epochs over the problem set, re-queued problems, curriculum and length schedule
-(stage lookup: which cap and overlong-penalty window a request issued at a given update gets).
+"""The problem stream: epochs over the problem set, re-queued problems, curriculum.
 
 State (cursor, epoch, re-queue, pass rates) is exported for checkpoints, so a resumed run continues
 with the next problem, never repeating or skipping one.
@@ -8,10 +7,8 @@ from __future__ import annotations
 
 import random
 from collections import deque
-
 from typing import Any
 
-from megatron_rl.config import LengthStage, RewardConfig, length_stages
 from megatron_rl.records import Problem
 
 
@@ -82,25 +79,3 @@ class ProblemQueue:
         self.pass_rate = dict(state["pass_rate"])
         self.issued = state["issued"]
 
-
-def parse_length_schedule(entries: list[str], default: int, reward: RewardConfig | None = None) -> list[LengthStage]:
-    """["0:256", "50:512:512:128"] -> stages sorted by start (the first at update 0, `default` tokens
-    when no entry starts there). Stages without their own L_MAX:L_CACHE take `reward`'s window
-    (reward.l_max null: the stage's cap). The agreement of caps and windows is checked by the config
-    (megatron_rl.config.check_length_penalty), not here."""
-    return length_stages(list(entries), default, reward if reward is not None else RewardConfig())
-
-
-def stage_at(stages: list[LengthStage], update: int) -> LengthStage:
-    """The stage in force at `update` (the last one starting at or before it)."""
-    if not stages or stages[0].start != 0:
-        raise ValueError("a length schedule needs a first stage starting at update 0")
-    current = stages[0]
-    for stage in stages:
-        if stage.start <= update:
-            current = stage
-    return current
-
-
-def max_new_tokens_at(stages: list[LengthStage], update: int) -> int:
-    return stage_at(stages, update).max_new_tokens

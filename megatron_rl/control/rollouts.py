@@ -17,13 +17,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from megatron_rl.config import Config, LengthStage
+from megatron_rl.config import Config, LengthStage, length_stages, stage_at
 from megatron_rl.control.budget import PendingGroup, RolloutBudget
 from megatron_rl.control.evaluation import Evaluation
 from megatron_rl.control.grading import GradingLedger, LocalGrader
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
-from megatron_rl.control.problems import ProblemQueue, parse_length_schedule, stage_at
+from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.control.protocol import Cause, GenerateRequest, GradeItem, GradeRequest, Key, RolloutsReport, RunFailed
 from megatron_rl.control.run_log import RunLog
 from megatron_rl.control.verifiers import VerifierRanks
@@ -39,8 +39,8 @@ class RolloutFlow:
         self.budget = RolloutBudget(cfg.rollout, cfg.algo)
         self.queue = ProblemQueue(problems, cfg.data.seed, cfg.data.drop_solved_above)
         self.template = get_template(cfg.data)  # system prompt (name, text or file) and chat-template kwargs
-        self.length_stages = parse_length_schedule(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
-                                                   cfg.reward)
+        self.length_stages = length_stages(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
+                                           cfg.reward)
         self.gen_load: dict[int, int] = {r: 0 for r in layout.generator_ranks}  # samples out per generator
         self.dead_generators: set[int] = set()
         self.sample_owner: dict[Key, int] = {}  # the generator each sample in flight was sent to

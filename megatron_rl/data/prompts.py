@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config_data import DataConfig
+from megatron_rl.config.data import DataConfig
 from megatron_rl.records import Problem
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.config_data import DataConfig
+from megatron_rl.config.data import DataConfig
 from megatron_rl.errors import InputError
 from megatron_rl.records import Problem
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from megatron_rl.config_data import DataConfig
+from megatron_rl.config.data import DataConfig
 from megatron_rl.data.rows import DataError, problem_from_row
 from megatron_rl.records import Problem
 

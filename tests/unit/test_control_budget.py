@@ -5,7 +5,7 @@ import pytest
 
 from megatron_rl.config import AlgoConfig, RolloutConfig
 from megatron_rl.control.budget import RolloutBudget, token_staleness
-from megatron_rl.control.problems import ProblemQueue, max_new_tokens_at, parse_length_schedule
+from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.records import Problem, Rollout
 
 
@@ -140,13 +140,6 @@ def test_problem_queue_epochs_requeue_curriculum_and_resume():
     second = [q.next().problem_id for _ in range(4)]
     assert [clone.next().problem_id for _ in range(4)] == second
     assert first[0] not in second and sorted(second) == sorted(set(first) - {first[0]})
-
-
-def test_length_schedule():
-    stages = parse_length_schedule(["10:256", "30:512"], default=128)
-    assert [max_new_tokens_at(stages, u) for u in (0, 9, 10, 29, 30, 99)] == [128, 128, 256, 256, 512, 512]
-    with pytest.raises(ValueError, match="UPDATE:TOKENS"):
-        parse_length_schedule(["abc"], 1)
 
 
 def test_admission_counts_the_batches_committed_ahead():

@@ -55,14 +55,6 @@ ONLY_THIRD_PARTY = {"algo": {"torch"}}
 # component -> third-party top-level modules that neither it nor anything of ours it reaches may import
 NO_THIRD_PARTY = {"reward": {"megatron", "sglang", "sgl_kernel"}}
 
-# Cycles known to exist while their owners break them (issue 30 part 2: config.py becomes the config/
-# package, where RewardConfig no longer sits beside the module that imports length_stages). Each entry
-# must still be a cycle of today's graph (test_pending_cycles_still_exist fails otherwise): remove it in
-# the commit that breaks it, and keep this set empty.
-PENDING_CYCLES: set[frozenset[str]] = {frozenset({"megatron_rl.config", "megatron_rl.length_stages"})}
-# Top-level modules that belong to the `config` component until they move into the config/ package
-# (issue 30 part 2); each must still exist (test_pending_config_modules_still_exist): keep it empty.
-PENDING_CONFIG_MODULES = {"config_tree", "config_file", "config_data", "length_stages"}
 
 
 # ---------------------------------------------------------------------------------------------- graph
@@ -172,8 +164,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def component(module: str, package: str) -> str:
     parts = module.split(".")
-    name = parts[1] if len(parts) > 1 else parts[0]
-    return "config" if package == PACKAGE and name in PENDING_CONFIG_MODULES else name
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -219,21 +210,9 @@ def layer_violations(ours: dict[str, set[str]], third: dict[str, set[str]], pack
 
 def test_no_import_cycles():
     ours, _ = import_graph(ROOT, PACKAGE)
-    found = [c for c in cycles(ours) if frozenset(c) not in PENDING_CYCLES]
+    found = cycles(ours)
     assert not found, "import cycles in megatron_rl/ (break each along its dependencies):\n" + "\n".join(
         " <-> ".join(c) for c in found)
-
-
-def test_pending_cycles_still_exist():
-    ours, _ = import_graph(ROOT, PACKAGE)
-    current = {frozenset(c) for c in cycles(ours)}
-    gone = [sorted(c) for c in PENDING_CYCLES if c not in current]
-    assert not gone, f"no longer cycles, remove them from PENDING_CYCLES: {gone}"
-
-
-def test_pending_config_modules_still_exist():
-    gone = sorted(m for m in PENDING_CONFIG_MODULES if not (ROOT / PACKAGE / f"{m}.py").exists())
-    assert not gone, f"moved into config/, remove them from PENDING_CONFIG_MODULES: {gone}"
 
 
 def test_layer_order():

@@ -1,14 +1,13 @@
 """Length stages of `rollout.length_schedule`: which generation cap and overlong-penalty window apply
-from which update on, and the check that caps and penalty windows agree (see RolloutConfig)."""
+from which update on (`length_stages`, `stage_at`), and the check that caps and penalty windows agree
+(see RolloutConfig). The one home of the schedule: the controller issues requests under `stage_at`,
+placement sizes the KV cache from the longest stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from megatron_rl.config_tree import ConfigError, check
-
-if TYPE_CHECKING:
-    from megatron_rl.config import RewardConfig, RolloutConfig
+from megatron_rl.config.reward import RewardConfig
+from megatron_rl.config.tree import ConfigError, check
 
 
 @dataclass(frozen=True)
@@ -67,19 +66,31 @@ def _length_stages_with_keys(entries: list[str], max_new_tokens: int, reward: Re
 
 def length_stages(entries: list[str], max_new_tokens: int, reward: RewardConfig,
                   key: str = "rollout") -> list[LengthStage]:
-    """Resolve a length schedule (see RolloutConfig.length_schedule) into stages sorted by start;
-    the first starts at update 0. Raises ConfigError naming the entry on a malformed one."""
-    return [stage for _, stage, _ in _length_stages_with_keys(entries, max_new_tokens, reward, key)]
+    """Resolve a length schedule (see RolloutConfig.length_schedule) into stages sorted by start; the
+    first starts at update 0 (`max_new_tokens` when no entry starts there). Stages without their own
+    L_MAX:L_CACHE take `reward`'s window (reward.l_max null: the stage's cap). Raises ConfigError naming
+    the entry on a malformed one; the agreement of caps and windows is `check_length_penalty`'s."""
+    return [stage for _, stage, _ in _length_stages_with_keys(list(entries), max_new_tokens, reward, key)]
 
 
-def check_length_penalty(rollout: RolloutConfig, reward: RewardConfig) -> None:
+def stage_at(stages: list[LengthStage], update: int) -> LengthStage:
+    """The stage in force at `update` (the last one starting at or before it)."""
+    if not stages or stages[0].start != 0:
+        raise ValueError("a length schedule needs a first stage starting at update 0")
+    current = stages[0]
+    for stage in stages:
+        if stage.start <= update:
+            current = stage
+    return current
+
+
+def check_length_penalty(schedule: list[str], max_new_tokens: int, reward: RewardConfig) -> None:
     """Each stage's cap must end inside its penalty ramp (l_max - l_cache < cap <= l_max): the cap and
     the penalty agree. Skipped without a schedule and with a fixed reward.l_max (the plain setting of
     both keys is the user's), and when the penalty is 0."""
-    if reward.overlong_penalty == 0 or (not rollout.length_schedule and reward.l_max is not None):
+    if reward.overlong_penalty == 0 or (not schedule and reward.l_max is not None):
         return
-    for k, s, inherited in _length_stages_with_keys(rollout.length_schedule, rollout.max_new_tokens, reward,
-                                                    "rollout"):
+    for k, s, inherited in _length_stages_with_keys(schedule, max_new_tokens, reward, "rollout"):
         window = (f"reward.l_max={reward.l_max}, reward.l_cache={reward.l_cache}" if inherited and
                   reward.l_max is not None else f"l_max={s.l_max}, l_cache={s.l_cache}")
         fix = ("set reward.l_max: null (the window follows each stage's cap) or give the stage its own "

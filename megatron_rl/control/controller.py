@@ -3,8 +3,12 @@
 `Controller.run` is the loop; the parts with state of their own live in their own modules:
   mailbox.py    typed messages over MPI, one poll loop
   rollouts.py   the rollout flow: issue samples, collect rollouts, grade, settle into the budget
-  sync/update.py  the update cycle: generators pause -> trainers push -> generators finish (Phase)
   run_log.py    metrics and group events
+The weight update is sync/'s: its coordinator (sync/coordinator.py, `WeightUpdate`: generators
+pause -> trainers push -> generators finish, and whether a restarted generator needs another push)
+sends its messages through the mailbox; the generator side is sync/generator_side.py, the trainer
+side sync/trainer_push.py. The controller begins an update, hands it the update's messages, and
+on `UpdateDone` does what follows an update here: admission, the metrics line, a checkpoint.
 Checkpoints carry the controller's state (budget, problem cursor, versions): `--resume` loses and
 repeats no prompt; samples in flight at a checkpoint are issued again on resume.
 """
@@ -21,13 +25,13 @@ from megatron_rl.config import Config
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.metrics import Progress, batch_stats, stage_metrics
-from megatron_rl.control.protocol import (Cause, FinishUpdate, GeneratorStatus, Graded, LoadRequest, Loaded, Paused,
-                                          PauseForUpdate, Pushed, PushRequest, Resumed, RolloutsReport, RunFailed,
-                                          SaveRequest, Saved, Stop, Trained, TrainRequest, WorkerFailure)
+from megatron_rl.control.protocol import (Cause, GeneratorStatus, Graded, LoadRequest, Loaded, Paused, Pushed,
+                                          Resumed, RolloutsReport, RunFailed, SaveRequest, Saved, Stop, Trained,
+                                          TrainReport, TrainRequest, WorkerFailure)
 from megatron_rl.control.rollouts import RolloutFlow
 from megatron_rl.control.run_log import RunLog
 from megatron_rl.records import Problem
-from megatron_rl.sync.update import Phase, UpdateCycle
+from megatron_rl.sync.coordinator import UpdateDone, WeightUpdate
 
 REPLY_TIMEOUT_S = 3600.0  # a checkpoint save or load on the trainers
 
@@ -40,16 +44,13 @@ class Controller:
         self.log = RunLog(cfg.run, run_dir)
         self.flow = RolloutFlow(cfg, self.mailbox, layout, problems, tokenizer, self.log, lambda: self.updates_done,
                                 eval_problems)
-        self.cycle: UpdateCycle[int] = UpdateCycle()  # over generator ranks
+        self.sync = WeightUpdate(self.mailbox, layout.first_trainer, self.flow.alive_generators)
         self.version = 0  # trainer policy version (= number of updates)
         self.updates_done = 0
         self.training = False  # a batch is with the trainers
-        self.push_needed = False  # a generator serves other weights than the trainers' (restart, resume)
-        self.gen_status: dict[int, GeneratorStatus] = {}
         self.stop_requested = False
         self._update_finished = False  # the weights of a trained update reached the generators
         self._idle_since: float | None = time.time()  # trainer idle since
-        self._push_started = 0.0
 
     # ================================================================== the loop
     def run(self) -> dict[str, Any]:
@@ -57,10 +58,10 @@ class Controller:
         progress = Progress(total, self.updates_done)
         try:
             while True:
-                if not self.training and self.cycle.phase is Phase.IDLE:
+                if not self.training and self.sync.idle:
                     if (self.updates_done >= total and not self.flow.evaluation.active) or self.stop_requested:
                         break
-                    if self.push_needed:
+                    if self.sync.push_needed:
                         self._begin_update()  # push (weights the generators lack: restart, resume)
                     elif not self.flow.evaluation.active:  # an eval round is graded under one weight version
                         self._train()  # train on n_batch ready sequences, if there are
@@ -92,42 +93,25 @@ class Controller:
         self.log.batch = batch_stats(batch)
         self.training = True
 
-    def _on_trained(self, metrics: dict[str, Any]) -> None:
-        self.version = int(metrics["version"])
+    def _on_trained(self, report: TrainReport) -> None:
+        self.version = report.version
         self.updates_done += 1
-        self.log.train = metrics
+        self.log.train = report.metrics
         self.training = False
         self._begin_update()
 
     def _begin_update(self) -> None:
-        self.push_needed = False
-        self.mailbox.send_all(self.cycle.begin(self.version, self.flow.alive_generators()), PauseForUpdate())
+        self.sync.begin(self.version)  # pause -> push -> finish (sync/coordinator.py)
 
-    def _on_generator_ack(self, rank: int, status: GeneratorStatus) -> None:
-        self.gen_status[rank] = status
-        if self.cycle.ack(rank, status.target):
-            self._next_phase()
-
-    def _on_pushed(self, report: dict[str, Any]) -> None:
-        self.log.push = dict(report, wall_s=time.time() - self._push_started)
-        self._next_phase()
-
-    def _next_phase(self) -> None:
-        phase = self.cycle.advance()
-        if phase is Phase.PUSHING:  # every generator paused with an open update session
-            self._push_started = time.time()
-            self.mailbox.send(self.layout.first_trainer, PushRequest(self.version, self.cycle.push_targets()))
-        elif phase is Phase.FINISHING:
-            self.mailbox.send_all(sorted(self.cycle.waiting), FinishUpdate(self.version))
-            if not self.cycle.waiting:
-                self._next_phase()
-        else:  # IDLE: every generator stamped the new version and continues
-            # A generator restarted during the update serves its disk weights: push again.
-            self.push_needed = any(self.gen_status[r].version != self.version for r in self.flow.alive_generators())
-            if not self.push_needed:
-                self.flow.budget.weights_served(self.version)  # admission: new samples start on these weights
-            self._idle_since = time.time()
-            self._update_finished = True
+    def _on_update_done(self, done: UpdateDone | None) -> None:
+        """What follows an update here once its weights reached the generators (None: not yet)."""
+        if done is None:
+            return
+        self.log.pushed(done.push, done.push_wall_s)
+        if done.served:
+            self.flow.budget.weights_served(done.version)  # admission: new samples start on these weights
+        self._idle_since = time.time()
+        self._update_finished = True
 
     def _after_update(self, progress: Progress) -> None:
         self._update_finished = False
@@ -137,7 +121,7 @@ class Controller:
             self.log.train = {}
             if not self.flow.evaluation.active:  # else the checkpoint follows the evaluated update's line
                 self._checkpoint_if_due()
-        if self.flow.evaluation.waiting_to_start and not self.push_needed:
+        if self.flow.evaluation.waiting_to_start and not self.sync.push_needed:
             self.flow.start_eval(self.version)  # every generator serves the evaluated weights
 
     def _hold_for_eval(self, row: dict[str, Any]) -> bool:
@@ -184,7 +168,7 @@ class Controller:
 
     def wait_for_generators(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
-        while len(self.gen_status) + len(self.flow.dead_generators) < self.layout.generators:
+        while len(self.sync.status) + len(self.flow.dead_generators) < self.layout.generators:
             if time.time() > deadline:
                 raise RunFailed(f"generators did not report within {timeout_s:.0f} s", Cause.LOST)
             for source, message in self.mailbox.poll(timeout_s=0.005):
@@ -201,7 +185,7 @@ class Controller:
         if "log" in state:  # rows and events written after the checkpoint are written again: drop them
             self.log.cut_back(state["log"])
         self.version, self.updates_done = state["version"], state["updates_done"]
-        self.push_needed = True  # generators start from disk weights
+        self.sync.push_needed = True  # generators start from disk weights
         self.flow.reissue_outstanding()
 
     def state_dict(self) -> dict[str, Any]:
@@ -219,17 +203,12 @@ class Controller:
             self.flow.on_rollouts(source, message)
         elif isinstance(message, Graded):
             self.flow.on_graded(message.results, source)
-        elif isinstance(message, GeneratorStatus):
-            restarted = source in self.gen_status and \
-                message.target.incarnation != self.gen_status[source].target.incarnation
-            self.gen_status[source] = message
-            self.push_needed |= restarted or message.version != self.version
-        elif isinstance(message, (Paused, Resumed)):
-            self._on_generator_ack(source, message.status)
         elif isinstance(message, Trained):
-            self._on_trained(message.metrics)
-        elif isinstance(message, Pushed):
-            self._on_pushed(message.report)
+            self._on_trained(message.report)
+        elif isinstance(message, GeneratorStatus):  # start-up, a restart: the weights it serves
+            self.sync.on_status(source, message, self.version)
+        elif isinstance(message, (Paused, Resumed, Pushed)):  # a step of the update
+            self._on_update_done(self.sync.on_step(source, message))
         elif isinstance(message, WorkerFailure):
             self._on_failure(source, message)
         else:
@@ -239,8 +218,7 @@ class Controller:
         if failure.role == "generator" and not failure.fatal and self.flow.on_generator_lost(failure.rank):
             print(f"megatron-rl train: {failure.error}; generator rank {failure.rank} left out, its samples "
                   f"issued to the others", file=sys.stderr, flush=True)
-            if self.cycle.drop(failure.rank):
-                self._next_phase()
+            self._on_update_done(self.sync.drop(failure.rank))
             return
         if failure.role == "verifier" and self.flow.on_verifier_lost(failure.rank):
             print(f"megatron-rl train: {failure.describe()}\n{failure.trace}verifier rank {failure.rank} left out, "

@@ -1,8 +1,9 @@
 """Body of a generator rank: one SGLang server, samples streamed back to the controller.
 
 The rank never blocks on generation: requests run in the Generator's threads while this loop
-forwards finished rollouts, answers update commands (pause in place / finish with a version) and
-reports a server restart so the controller re-sends the current weights.
+forwards finished rollouts, answers update commands (pause in place / finish with a version: the
+generator side of sync/, sync/generator_side.py) and reports a server restart so the controller
+re-sends the current weights.
 """
 from __future__ import annotations
 
@@ -11,17 +12,12 @@ from pathlib import Path
 
 from megatron_rl.config import Config
 from megatron_rl.control.mailbox import CONTROLLER, Mailbox
-from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, GeneratorStatus, Paused, PauseForUpdate,
-                                          Resumed, RolloutsReport, Stop, WorkerFailure)
+from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, PauseForUpdate, RolloutsReport, Stop,
+                                          WorkerFailure)
 from megatron_rl.records import SampleRequest
-from megatron_rl.rollout.client import ServerUnreachable
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
-from megatron_rl.sync.update import target_of
-
-
-def _status(gen: Generator) -> GeneratorStatus:
-    return GeneratorStatus(target_of(gen), gen.version)
+from megatron_rl.sync.generator_side import answer, status_of
 
 
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
@@ -47,7 +43,7 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
         mailbox.fail(WorkerFailure.of("generator", rank, "SGLang server failed to start", e))
         mailbox.wait_for_stop()
         return
-    mailbox.send(CONTROLLER, _status(gen))
+    mailbox.send(CONTROLLER, status_of(gen))
     incarnation = gen.incarnation
     idle_s = busy_s = 0.0
     last = time.perf_counter()
@@ -73,7 +69,7 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
                 idle_s = busy_s = 0.0
             if gen.incarnation != incarnation:  # the server died and was restarted with disk weights
                 incarnation = gen.incarnation
-                mailbox.send(CONTROLLER, _status(gen))
+                mailbox.send(CONTROLLER, status_of(gen))
     except GeneratorDied as e:  # its samples are the controller's to re-issue elsewhere
         mailbox.fail(WorkerFailure.of("generator", rank, "server died", e, fatal=False))
         mailbox.wait_for_stop()
@@ -87,12 +83,8 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
 def _obey(mailbox: Mailbox, gen: Generator, msg: object) -> None:
     if isinstance(msg, GenerateRequest):
         _submit(gen, msg)
-    elif isinstance(msg, PauseForUpdate):
-        _with_live_server(gen, gen.begin_update)
-        mailbox.send(CONTROLLER, Paused(_status(gen)))
-    elif isinstance(msg, FinishUpdate):
-        _with_live_server(gen, lambda: gen.finish_update(msg.version), retry=False)
-        mailbox.send(CONTROLLER, Resumed(_status(gen)))
+    elif isinstance(msg, (PauseForUpdate, FinishUpdate)):  # the weight update's (sync/generator_side.py)
+        mailbox.send(CONTROLLER, answer(gen, msg))
     else:
         raise RuntimeError(f"generator: unexpected {type(msg).__name__}")
 
@@ -105,20 +97,6 @@ def _check_gpus(gpus: tuple[int, ...], rank: int) -> None:
         import torch
 
         check_gpus_exist(gpus, torch.cuda.device_count(), rank, "generator")
-
-
-def _with_live_server(gen: Generator, action, retry: bool = True) -> None:
-    """Run an update step; if the server died meanwhile, relaunch it (its unfinished samples are
-    re-issued by the Generator) and, with `retry`, run the step on the new incarnation. The status
-    sent next tells the controller the server serves disk weights: it pushes the current ones."""
-    try:
-        action()
-    except ServerUnreachable:
-        if gen.server.healthy():
-            raise
-        gen.restart()
-        if retry:
-            action()
 
 
 def _submit(gen: Generator, request: GenerateRequest) -> None:

@@ -4,6 +4,7 @@ Every message is a small dataclass pickled by mpi4py; its MPI tag is derived fro
 one per message class: `tag_of`), so a receiver can wait for one kind and no call site names a
 number. Workers never talk to each other over MPI: the trainers share commands and weights over
 torch.distributed; everything else goes through the controller (control/mailbox.py sends them).
+The weight update's messages are sync/messages.py's (sync/ knows no MPI): they get their tags here.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Any
 
 from megatron_rl.errors import InputError
 from megatron_rl.records import Batch, Rollout, SampleRequest
-from megatron_rl.sync.sender import SyncTarget
+from megatron_rl.sync.messages import (FinishUpdate, GeneratorStatus, Paused, PauseForUpdate, Pushed, PushRequest,
+                                       Resumed)
 
 Key = tuple[str, int]  # (group id, sample index)
 
@@ -33,55 +35,24 @@ class RolloutsReport:
     busy_s: float
 
 
-@dataclass
-class GeneratorStatus:
-    """A generator's server: where senders reach it (its incarnation counts restarts) and the
-    weight version it serves. Sent at start-up and after a server restart."""
-
-    target: SyncTarget
-    version: int
-
-
-@dataclass
-class PauseForUpdate:
-    """Pause in place and open the weight-update session."""
-
-
-@dataclass
-class Paused:
-    status: GeneratorStatus
-
-
-@dataclass
-class FinishUpdate:
-    version: int
-
-
-@dataclass
-class Resumed:
-    status: GeneratorStatus
-
-
 # ---------------------------------------------------------------- controller <-> first trainer
 @dataclass
 class TrainRequest:
     batch: Batch
 
 
+@dataclass(frozen=True)
+class TrainReport:
+    """One trainer update: the policy version it made and its metrics (the means over its optimizer
+    steps, and the trainer/generator mismatch; train/trainer.py `train_on`)."""
+
+    version: int
+    metrics: dict[str, float]
+
+
 @dataclass
 class Trained:
-    metrics: dict[str, Any]  # "version" is the trainer's new policy version
-
-
-@dataclass
-class PushRequest:
-    version: int
-    targets: list[SyncTarget]  # every live generator
-
-
-@dataclass
-class Pushed:
-    report: dict[str, Any]
+    report: TrainReport
 
 
 @dataclass

@@ -8,6 +8,7 @@ report until the line is written. See docs/control.md, "Metrics lines".
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Callable
 from megatron_rl.config import RunConfig
 from megatron_rl.control.loggers import open_loggers
 from megatron_rl.control.metrics import EVENTS_FILE, JsonlWriter, Progress, UpdateWindow
+from megatron_rl.sync.messages import PushReport
 
 PROGRESS_KEYS = {"reward/mean": "reward", "pass_rate": "pass", "length/mean": "len", "train/loss": "loss"}
 
@@ -47,6 +49,10 @@ class RunLog:
             elif size < offsets[name]:
                 print(f"megatron-rl train: {writer.path} is shorter than at the checkpoint ({size} < "
                       f"{offsets[name]} bytes); appending to it as it is", file=sys.stderr, flush=True)
+
+    def pushed(self, report: PushReport, wall_s: float) -> None:
+        """The last push (`push/*` of the next metrics line): the trainers' report and its wall time."""
+        self.push = dict(dataclasses.asdict(report), wall_s=wall_s)
 
     def group_done(self, event: dict[str, Any]) -> None:
         self.events.write(event)

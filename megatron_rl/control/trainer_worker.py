@@ -2,7 +2,8 @@
 
 The controller sends each command once, to the first trainer; `CommandFanout` shares it with the
 other trainers over torch.distributed, all run it collectively, and the first trainer answers.
-A weight push is `sync.trainer_push.TrainerPush` (the first TP/DP rank of each pipeline stage sends).
+A weight push is the trainer side of sync/, `sync.trainer_push.TrainerPush` (the first TP/DP rank of
+each pipeline stage sends); its `PushReport` and the update's `TrainReport` go back typed.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from megatron_rl.config import Config
 from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import (LoadRequest, Loaded, PushRequest, Pushed, SaveRequest, Saved, Stop,
-                                          Trained, TrainRequest, WorkerFailure)
+                                          Trained, TrainReport, TrainRequest, WorkerFailure)
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,13 @@ def trainer_loop(mailbox: Mailbox, cfg: Config, place: TrainerPlace, listener=No
             mailbox.send(CONTROLLER, reply)
 
 
+_NOT_METRICS = ("steps", "version", "step")  # of train_on's answer: per-step metrics, the counters
+
+
 def _run(trainer, pusher, command: object) -> object:
     if isinstance(command, TrainRequest):
-        return Trained({k: v for k, v in trainer.train_on(command.batch).items() if k != "steps"})
+        out = trainer.train_on(command.batch)
+        return Trained(TrainReport(trainer.version, {k: v for k, v in out.items() if k not in _NOT_METRICS}))
     if isinstance(command, PushRequest):
         return Pushed(pusher.push(command.version, command.targets))
     if isinstance(command, SaveRequest):

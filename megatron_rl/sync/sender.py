@@ -23,7 +23,7 @@ Per bucket and generator: POST the manifest (SGLang then joins a broadcast on th
 broadcast the flat bytes. A bucket the server reports as not loaded is re-sent up to `retries`
 times (loading is idempotent); after that, or if the server never joined the broadcast, the send
 raises `WeightSyncError`. Weights are stamped with a version only by the coordinator
-(`sync.update.UpdateCycle`) after *all* senders succeeded.
+(`sync.coordinator`) after *all* senders succeeded.
 """
 from __future__ import annotations
 

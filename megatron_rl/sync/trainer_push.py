@@ -1,14 +1,16 @@
-"""The PUSHING phase on the trainer ranks (see update.py): all of them export, a few send.
+"""The PUSHING phase on the trainer ranks (see coordinator.py): all of them export, a few send.
 
 Every trainer rank iterates the HF export of its model chunks (the TP gathers are collective); the
 first TP/DP rank of each pipeline stage is that stage's sender and streams the tensors to every
 generator (one `WeightSender` per stage, several stages in parallel). The ranks then gather what
 was sent, and the push is complete only if the senders together covered every stage's names.
+Its `PushReport` answers the coordinator's PushRequest (control/trainer_worker.py carries both).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron_rl.sync.messages import PushReport
 from megatron_rl.sync.sender import SyncTarget, WeightSender
 from megatron_rl.sync.update import check_complete
 
@@ -24,7 +26,7 @@ class TrainerPush:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.sender: WeightSender | None = None
 
-    def push(self, version: int, targets: list[SyncTarget]) -> dict:
+    def push(self, version: int, targets: list[SyncTarget]) -> PushReport:
         """Send this rank's part (collective over the trainers); the report of the whole push."""
         from megatron_rl.train.hf_weights import export_hf_tensors, hf_names_of_stage
 
@@ -44,8 +46,8 @@ class TrainerPush:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (expected, *sent))
         check_complete((n for g in gathered for n in g[1]), (n for g in gathered for n in g[0]))
-        return {"version": version, "tensors": len({n for g in gathered for n in g[1]}),
-                "bytes": sum(g[2] for g in gathered), "send_s": max(g[3] for g in gathered)}
+        return PushReport(version, tensors=len({n for g in gathered for n in g[1]}),
+                          bytes=sum(g[2] for g in gathered), send_s=max(g[3] for g in gathered))
 
     def close(self) -> None:
         if self.sender is not None:

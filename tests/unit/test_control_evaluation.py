@@ -155,10 +155,10 @@ def test_a_round_unfinished_at_a_checkpoint_is_re_run_after_resume_and_written_o
     resumed.flow.load_state_dict(state)
     resumed.version = resumed.updates_done = state["updates_done"]
     assert resumed.flow.evaluation.waiting_to_start
-    resumed.push_needed = True  # generators serve disk weights until the resume push
+    resumed.sync.push_needed = True  # generators serve disk weights until the resume push
     resumed._after_update(Progress(4, 1))
     assert not comm2.take(Tag.GENERATE)
-    resumed.push_needed = False  # the push finished: the round starts again, under the evaluated weights
+    resumed.sync.push_needed = False  # the push finished: the round starts again, under the evaluated weights
     resumed._after_update(Progress(4, 1))
     assert sorted(s.key for m in _generate_requests(comm2) for s in m.samples) == first
     _generate(resumed, comm2, version=1)

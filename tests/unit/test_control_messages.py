@@ -1,5 +1,6 @@
 """The controller's messages: one tag per message type, each batch sent once (to the first trainer,
-which shares it with the others), and one weight update as the cycle pause -> push -> finish."""
+which shares it with the others), and one weight update as the cycle pause -> push -> finish, driven
+through the controller (the coordinator alone: tests/unit/test_sync_coordinator.py)."""
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,12 @@ from megatron_rl.control.controller import Controller
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.protocol import (MESSAGE_TYPES, FinishUpdate, GeneratorStatus, Paused, PauseForUpdate,
-                                          Pushed, PushRequest, Resumed, RunFailed, Tag, Trained, TrainRequest, WorkerFailure,
-                                          tag_of)
+                                          Pushed, PushRequest, Resumed, RunFailed, Tag, Trained, TrainReport, TrainRequest,
+                                          WorkerFailure, tag_of)
 from megatron_rl.records import Problem, Rollout
-from megatron_rl.sync.sender import SyncTarget, WeightSyncError
-from megatron_rl.sync.update import Phase, UpdateCycle
+from megatron_rl.sync.coordinator import Phase
+from megatron_rl.sync.messages import PushReport
+from megatron_rl.sync.sender import SyncTarget
 from support.control import PickleComm
 
 TRAINERS, GENERATORS = 4, 2
@@ -52,19 +54,19 @@ def test_a_batch_goes_once_to_the_first_trainer_then_one_update_cycle(tmp_path):
     assert not comm.sent and ctrl.training
     assert budget.batches_behind == 1  # admission: the batch's weights are not served yet
 
-    ctrl._dispatch(ctrl.layout.first_trainer, Trained({"version": 1, "loss": 0.5}))
+    ctrl._dispatch(ctrl.layout.first_trainer, Trained(TrainReport(1, {"loss": 0.5})))
     assert [(d, type(m)) for d, m in comm.take(Tag.PAUSE)] == [(g, PauseForUpdate) for g in gens]
-    assert ctrl.cycle.phase is Phase.PAUSING and ctrl.version == ctrl.updates_done == 1
+    assert ctrl.sync.cycle.phase is Phase.PAUSING and ctrl.version == ctrl.updates_done == 1
     ctrl._dispatch(gens[0], Paused(_status(gens[0], 0)))
     assert not comm.take(Tag.PUSH)  # waits for every generator
     ctrl._dispatch(gens[1], Paused(_status(gens[1], 0)))
     ((dest, push),) = comm.take(Tag.PUSH)
     assert dest == ctrl.layout.first_trainer and push == PushRequest(1, [_status(g, 0).target for g in gens])
-    ctrl._dispatch(dest, Pushed({"version": 1, "bytes": 10}))
+    ctrl._dispatch(dest, Pushed(PushReport(1, tensors=3, bytes=10, send_s=0.1)))
     assert [(d, m) for d, m in comm.take(Tag.FINISH)] == [(g, FinishUpdate(1)) for g in gens]
     for g in gens:
         ctrl._dispatch(g, Resumed(_status(g, 1)))
-    assert ctrl.cycle.phase is Phase.IDLE and not ctrl.push_needed and not comm.sent
+    assert ctrl.sync.cycle.phase is Phase.IDLE and not ctrl.sync.push_needed and not comm.sent
     assert budget.batches_behind == 0 and budget.served_version == 1  # every generator serves it
     ctrl.shutdown()
     stops = [dest for dest, _, _ in comm.sent]
@@ -93,20 +95,3 @@ def test_a_dead_generator_is_not_awaited_and_its_failure_carries_the_traceback(t
     assert text == "trainer rank 2 failed: PushRequest failed: ValueError: bad shape"  # one line
     assert 'raise ValueError("bad shape")' in raised.value.failure.trace  # the failing rank's traceback
     ctrl.shutdown()
-
-
-def test_update_cycle_phases():
-    cycle: UpdateCycle[str] = UpdateCycle()
-    assert cycle.begin(3, ["b", "a"]) == ["a", "b"] and cycle.phase is Phase.PAUSING
-    with pytest.raises(WeightSyncError):
-        cycle.advance()  # "b" has not paused
-    assert not cycle.ack("a", SyncTarget("u-a")) and cycle.ack("b", SyncTarget("u-b"))
-    assert cycle.advance() is Phase.PUSHING and cycle.push_targets() == [SyncTarget("u-a"), SyncTarget("u-b")]
-    with pytest.raises(WeightSyncError):
-        cycle.ack("a")  # nobody answers during the push
-    assert cycle.advance() is Phase.FINISHING and cycle.waiting == {"a", "b"}
-    assert not cycle.drop("a")  # died while finishing: "b" is still awaited
-    assert cycle.ack("b") and cycle.advance() is Phase.IDLE
-    with pytest.raises(WeightSyncError):
-        cycle.ack("b")
-    assert cycle.begin(4, ["a"]) == ["a"] and cycle.drop("a")  # the only one died: the wait is over

@@ -14,7 +14,7 @@ from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
-from megatron_rl.control.protocol import GenerateRequest, RolloutsReport, Tag
+from megatron_rl.control.protocol import GenerateRequest, RolloutsReport, Tag, TrainReport
 from megatron_rl.records import Problem, Rollout
 from megatron_rl.reward import VerifierPool
 from support.control import CharTokenizer, PickleComm, grade_until
@@ -74,7 +74,7 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
         assert request_a.sampling["max_new_tokens"] == 40
 
         # The trainer finishes update 1 (stage B from now on) before these samples come back.
-        ctrl._on_trained({"version": 1})
+        ctrl._on_trained(TrainReport(1, {}))
         assert ctrl.updates_done == 1 and comm.take(Tag.PAUSE)
         report = _generate(request_a, [30, 40])
         keys = [(r.group_id, r.sample_index) for r in report.rollouts]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
-from megatron_rl.control.generator_worker import _status, server_spec
+from megatron_rl.control.generator_worker import server_spec
 from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.protocol import Paused, PushRequest, Tag
 from megatron_rl.records import Problem
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
+from megatron_rl.sync.generator_side import status_of
 from support.control import PickleComm
 
 
@@ -34,7 +35,7 @@ def test_push_targets_carry_the_generator_tp_size(tmp_path):
         try:
             ctrl._begin_update()
             assert [dest for dest, _ in comm.take(Tag.PAUSE)] == [gen_rank]
-            ctrl._dispatch(gen_rank, Paused(_status(gen)))
+            ctrl._dispatch(gen_rank, Paused(status_of(gen)))
         finally:
             gen.close()
         pushes = comm.take(Tag.PUSH)

@@ -19,7 +19,8 @@ under megatron_rl: `config`, `reward`, `train`, ...):
 - bottom: `errors` and `log` import nothing of ours; `config` and `records` import only those two;
 - `algo` imports nothing of ours but algo, and no third-party library but torch;
 - `algo` <- `ops` <- `train`: algo imports neither ops nor train, ops does not import train;
-- `rollout` <- `sync`: rollout does not import sync;
+- `rollout` <- `sync` <- `control`: rollout does not import sync, sync does not import control (the
+  weight update talks through a transport it defines; control's mailbox is one);
 - `reward` imports neither `control` nor `train`, and nothing it reaches (transitively, through our
   modules) imports Megatron or SGLang: a verifier process must not load either.
 """
@@ -47,7 +48,7 @@ ALLOWED = {
 # (importer, imported): an arrow that points the wrong way.
 FORBIDDEN = [
     ("algo", "ops"), ("algo", "train"), ("ops", "train"),
-    ("rollout", "sync"),
+    ("rollout", "sync"), ("sync", "control"),
     ("reward", "control"), ("reward", "train"),
 ]
 # component -> the only third-party top-level modules it may import (stdlib is always allowed)
@@ -268,6 +269,7 @@ def test_checker_fails_on_a_synthetic_wrong_way_arrow(tmp_path):
         "fake/algo/loss.py": "from fake.ops import fused\n",
         "fake/ops/__init__.py": "def fused(): pass\n",
         "fake/sync/__init__.py": "",
+        "fake/sync/coordinator.py": "from fake.control import mailbox\n",
         "fake/rollout/__init__.py": "from fake.sync import push\n",
         "fake/control/__init__.py": "",
         "fake/train/__init__.py": "import megatron.core\n",
@@ -285,10 +287,11 @@ def test_checker_fails_on_a_synthetic_wrong_way_arrow(tmp_path):
         "fake.reward.pool -> fake.train",
         "fake.reward.pool -> megatron (through fake.train)",
         "fake.rollout -> fake.sync",
+        "fake.sync.coordinator -> fake.control",
     ]
     # the real rules on a clean fake package: nothing to report
     _write(tmp_path, {"fake/config/tree.py": "from fake.errors import X\n", "fake/algo/__init__.py": "import torch\n",
                       "fake/algo/loss.py": "", "fake/rollout/__init__.py": "", "fake/reward/__init__.py": "",
-                      "fake/reward/pool.py": ""})
+                      "fake/reward/pool.py": "", "fake/sync/coordinator.py": ""})
     ours, third = import_graph(tmp_path, "fake")
     assert layer_violations(ours, third, "fake") == []

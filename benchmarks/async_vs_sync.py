@@ -15,7 +15,7 @@ while generation continues. Throughput = trained sequences (tokens) / wall time 
 `--warmup`, pooled over `--pairs` alternating sync / async runs (the machine's speed drifts
 between runs); per mode also the token staleness of the trained batches, the groups dropped as stale, the
 mean length of trained / all completed samples (length bias), the generator's CPU use (its server's
-processes) and the trainer's busy share (train + push). The simulator (`megatron_rl.control.simulate`)
+processes) and the trainer's busy share (train + push). The simulator (`megatron_rl.plan.simulate`)
 is then calibrated on this run's measured rates (decode tokens/s measured at several concurrencies and
 fitted with peak * c / (c + c_half), the trainer's time per update against its tokens, the push
 time), run for this layout and for a scaled-out one (--sim-generators generators, --sim-trainers
@@ -71,7 +71,7 @@ class ModeResult:
 class Bench:
     def __init__(self, args, gen, trainer, sender):
         from megatron_rl.config import AlgoConfig, RolloutConfig
-        from megatron_rl.control.simulate import LengthDist
+        from megatron_rl.plan.simulate import LengthDist
 
         self.args, self.gen, self.trainer, self.sender = args, gen, trainer, sender
         self.rollout_cfg = RolloutConfig(group_size=args.group, n_async=args.n_async, n_batch=args.n_batch,
@@ -257,8 +257,8 @@ def simulated(args, table, prefill_s: float, sync: ModeResult, asyn: ModeResult)
     longest is --sim-ratio x the shortest."""
     from dataclasses import replace
 
-    from megatron_rl.control.simulate import DecodeModel, LengthDist, SimParams, compare
-    from megatron_rl.control.simulate_calibration import fit_line
+    from megatron_rl.plan.simulate import DecodeModel, LengthDist, SimParams, compare
+    from megatron_rl.plan.simulate_calibration import fit_line
 
     pairs = sync.train + asyn.train
     a, b = fit_line([float(t) for t, _ in pairs], [s for _, s in pairs])

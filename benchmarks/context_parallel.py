@@ -5,11 +5,11 @@ vs CP=2 (two gloo processes), as ratios against CP=1, in one run.
         [--precision fp32|bf16] [--repeats 1] [--cps 1,2] [--recompute none]
 
 The model and the step are benchmarks/recompute.py's (random Llama, GQA 8/2 heads, FFN 2.75 h, vocab
-1024; one bin of `seqs` sequences of `tokens / seqs` tokens), measured by `tools.step_memory.measure`
+1024; one bin of `seqs` sequences of `tokens / seqs` tokens), measured by `plan.step_memory.measure`
 in fresh processes: CP=c runs on c ranks (torchrun, the machine's cores split between them), each
 rank's peak RSS growth over one `forward_backward` after a warm-up one (the CUDA allocator's peak on
 a GPU); the table shows the largest rank's. tokens/s counts the whole bin once (every CP rank holds
-1/c of it) over the slowest rank's step time. The estimate column is what `tools.estimate` counts for
+1/c of it) over the slowest rank's step time. The estimate column is what `plan.estimate` counts for
 a CP rank: `activation_memory` at micro_batch_tokens / CP (on CPU with the local spec's CP attention,
 which keeps the all-gathered K/V of the whole row, `train/cp_attention.py`) plus the fp32 logits and
 their gradient for those tokens.
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     args = ap.parse_args()
 
-    from megatron_rl.tools.step_memory import bench_estimate, bench_llama, measure
+    from megatron_rl.plan.step_memory import bench_estimate, bench_llama, measure
 
     h = args.hidden
     model, shapes = bench_llama(h, args.layers, args.tokens)
@@ -43,7 +43,7 @@ def main() -> None:
                             "recompute": args.recompute, "context_parallel": cp},
                 "seq_lengths": [args.tokens // args.seqs] * args.seqs, "repeats": args.repeats}
         result = measure(spec)
-        # each CP rank holds tokens / CP of every activation and of the logits (as tools.estimate counts it)
+        # each CP rank holds tokens / CP of every activation and of the logits (as plan.estimate counts it)
         rows[cp] = (result, bench_estimate(shapes, args.tokens // cp, args.recompute, args.precision, cp))
     base, _ = next(iter(rows.values()))
     print(f"model: {args.layers} layers, hidden {h}, ffn {ffn}, GQA 8/2, {args.precision}, recompute "

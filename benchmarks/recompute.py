@@ -4,11 +4,11 @@ as ratios against none, in one run.
     .venv/bin/python benchmarks/recompute.py [--tokens 4096] [--seqs 8] [--layers 4] [--hidden 256]
         [--precision fp32|bf16] [--repeats 2] [--modes none,selective,full]
 
-Each mode runs in a fresh process (`megatron_rl.tools.step_memory`): a Trainer on a random Llama
+Each mode runs in a fresh process (`megatron_rl.plan.step_memory`): a Trainer on a random Llama
 (GQA 8/2 heads, FFN 2.75 h, vocab 1024), one warm-up `forward_backward` (RL loss, packing, Megatron's
 schedule; no optimizer step), then the measured one: peak RSS growth on CPU (the CUDA allocator's
 peak on a GPU), then `repeats` more timed steps. The estimate column is
-`tools.estimate.activation_memory` (kernels "local" on CPU, "fused" on GPU) plus the logits term.
+`plan.estimate.activation_memory` (kernels "local" on CPU, "fused" on GPU) plus the logits term.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--modes", default="none,selective,full")
     args = ap.parse_args()
 
-    from megatron_rl.tools.step_memory import bench_estimate, bench_llama, measure
+    from megatron_rl.plan.step_memory import bench_estimate, bench_llama, measure
 
     h = args.hidden
     model, shapes = bench_llama(h, args.layers, args.tokens)

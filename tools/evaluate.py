@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Thin CLI: same as `megatron-rl evaluate` (see megatron_rl/commands/evaluate.py)."""
+"""pass@1 / pass@k evaluation (same as `megatron-rl evaluate`; see megatron_rl/cli/evaluate.py)."""
 import sys
 
 from megatron_rl.cli import main

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import Config
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.metrics import Progress, batch_stats, stage_metrics
 from megatron_rl.control.protocol import (Cause, GeneratorStatus, Graded, LoadRequest, Loaded, Paused, Pushed,

@@ -13,7 +13,7 @@ checkpoint if one is due at that update.
 Evaluation samples never reach the rollout budget: their group ids live in their own namespace
 ("eval@<update>/<index>", never containing the '#' of a training group id) and the rollout flow routes
 them here. Grading goes through the same graders; a sample nobody could grade is counted in
-`eval/ungradable`, never as a wrong answer (tools/evaluate.py aggregates, as `megatron-rl evaluate`).
+`eval/ungradable`, never as a wrong answer (evaluation/scoring.py aggregates, as `megatron-rl evaluate`).
 
 Checkpoints: a round not finished at a checkpoint (a stop during the round) is saved as "pending" with
 its held line, its samples dropped; the resumed run re-runs it from the start under the same weights
@@ -27,7 +27,7 @@ from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.records import Problem, Rollout
-from megatron_rl.tools.evaluate import ProblemResult, Verdict, problem_language, problem_result, summarize
+from megatron_rl.evaluation.scoring import ProblemResult, Verdict, problem_language, problem_result, summarize
 
 PREFIX = "eval@"
 METRIC_PREFIX = "eval/"
@@ -135,7 +135,7 @@ class Evaluation:
 
 def eval_metrics(rows: list[ProblemResult], k: int) -> dict[str, Any]:
     """`eval/<metric>` overall, `eval/<kind>/<metric>` and `eval/<language>/<metric>`: pass@1, pass@k,
-    problems, samples (graded), ungradable, format_rate, mean_reward (tools/evaluate.summarize)."""
+    problems, samples (graded), ungradable, format_rate, mean_reward (evaluation/scoring.summarize)."""
     summary = summarize(rows, sorted({1, k}))
     out = {f"{METRIC_PREFIX}{m}": v for m, v in summary.items() if not isinstance(v, dict)}
     for group in ("by_kind", "by_language"):

@@ -1,4 +1,5 @@
-"""Entry point of every MPI rank of a training run: `mpiexec -n N python -m megatron_rl.control.main CONFIG`.
+"""What every MPI rank of a training run does: `run_rank(config, overrides, resume)`. Its command line
+(`mpiexec -n N python -m megatron_rl.cli.rank CONFIG [key=value ...] [--resume]`) is parsed in cli/rank.py.
 
 Every rank tells the others its node address and local rank (control/node.py); rank 0 prepares the
 run (directory, model files for the generators) and broadcasts it; the first trainer binds the
@@ -8,36 +9,26 @@ running inside an MPI job.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import signal
-import sys
 from pathlib import Path
 
 from megatron_rl import log as logs
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.failure_report import clear_records, write_pid_file, write_report
-from megatron_rl.control.layout import RankLayout
 from megatron_rl.control.node import assign_gpus, gather_nodes
 from megatron_rl.control.protocol import WorkerFailure
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.sync.group import bind_listener
 from megatron_rl.train.checkpoint_dirs import holds_checkpoints
 
-# not __name__: run as `python -m`, this module is `__main__`, outside the package logger's handler
-log = logs.get_logger("megatron_rl.control.main")
+log = logs.get_logger(__name__)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megatron_rl.control.main")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--resume", action="store_true", help="= run.resume=require")
-    return p.parse_args(argv)
-
-
-def run_config(args: argparse.Namespace) -> Config:
-    """The config of the command line; `--resume` is `run.resume=require`, over the file and overrides."""
-    return load_config(args.config, args.overrides + (["run.resume=require"] if args.resume else []))
+def run_config(config: str | None, overrides: list[str], resume: bool = False) -> Config:
+    """The config of the command line; `resume` (`--resume`) is `run.resume=require`, over the file and
+    overrides."""
+    return load_config(config, list(overrides) + (["run.resume=require"] if resume else []))
 
 
 def resume_root(cfg: Config) -> Path | None:
@@ -77,16 +68,16 @@ def report(run_dir: Path, failure: WorkerFailure) -> None:
     log.error("%s", write_report(run_dir, failure))
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> int:
+    """This process's part of the job: its role from the config's rank layout, its loop until the end."""
     from megatron_rl.control.mailbox import Mailbox, world
 
     comm = world()
     rank = comm.Get_rank()
     logs.setup("rank", rank)  # the role is known once the config is read
-    args = parse_args(argv)
     setup = cfg = None
     try:
-        cfg = run_config(args)
+        cfg = run_config(config, overrides, resume)
         layout = RankLayout.from_config(cfg)
         layout.check_world(comm.Get_size())
         nodes = gather_nodes(comm)  # collective; the same list (or the same error) on every rank
@@ -173,7 +164,3 @@ def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup:
         else:
             stop_workers(Mailbox(comm), layout)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,7 +33,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping, MutableMapping, Sequence
 
-from megatron_rl.control.layout import Role
+from megatron_rl.plan.layout import Role
 from megatron_rl.errors import InputError
 
 ADDR_VAR = "MEGATRON_RL_NODE_ADDR"

@@ -3,7 +3,7 @@
 Answers are free-form ("C(10, 5), or equivalently 252", "No positive integer solutions"): the
 closed form after "or equivalently" is used when given, and with `verifiable_only` (default) the
 problems whose answer the math verifier cannot check reliably are dropped, with the same rules as
-the format filter (`megatron_rl.tools.filter_format.answer_verdict`).
+the format filter (`megatron_rl.data.filter_format.answer_verdict`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def champ_problems(verifiable_only: bool = True, limit: int | None = None) -> li
         import champ_dataset
     except ImportError:
         raise ImportError("the champ source needs the champ-dataset package (env/requirements.lock)") from None
-    from megatron_rl.tools.filter_format import answer_verdict
+    from megatron_rl.data.filter_format import answer_verdict
 
     problems = []
     for key, p in champ_dataset.load("v0").problems.items():

@@ -11,7 +11,7 @@ target (experiment.yaml `target`): the elapsed time at which the trailing mean f
 per seed; "not reached" when it never does.
 
 The figure (figure.png) is drawn here: per arm the mean over seeds and a band from min to max. The
-command also draws every run on its own with `control.plot.plot_runs` (runs.png, from the run directories).
+command also draws every run on its own with `experiments.plot.plot_runs` (runs.png, from the run directories).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.commands.train import _mpiexec
+from megatron_rl.cli.train import _mpiexec
 from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from test_train_loop import _config, policy  # noqa: F401  (the tiny policy fixture and its run config)
 
@@ -41,7 +41,7 @@ def _launch(config: Path) -> subprocess.Popen:
         if rank:
             cmd.append(":")
         cmd += ["-n", "1", "-env", "MEGATRON_RL_NODE_ADDR", addr, "-env", "SLURM_LOCALID", str(local),
-                "-env", "OMP_NUM_THREADS", "1", sys.executable, "-m", "megatron_rl.control.main", str(config)]
+                "-env", "OMP_NUM_THREADS", "1", sys.executable, "-m", "megatron_rl.cli.rank", str(config)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -53,7 +53,7 @@ def _rank_processes(proc: subprocess.Popen) -> dict[int, psutil.Process]:
     ranks = {}
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "megatron_rl.control.main" in " ".join(p.cmdline()):
+            if "megatron_rl.cli.rank" in " ".join(p.cmdline()):
                 ranks[int(p.environ()["PMI_RANK"])] = p
         except (psutil.NoSuchProcess, KeyError):
             pass

@@ -1,7 +1,7 @@
-"""The estimator's activation formula (`tools.estimate.activation_memory`, `kernels="local"`) against
+"""The estimator's activation formula (`plan.estimate.activation_memory`, `kernels="local"`) against
 the peak memory the real trainer step takes on CPU, for recompute none, selective and full.
 
-Each mode runs in a fresh process (`tools.step_memory.measure`: peak RSS growth over one
+Each mode runs in a fresh process (`plan.step_memory.measure`: peak RSS growth over one
 `forward_backward` after a warm-up one, glibc returning large frees at once). The model is tiny but
 activation-dominated (4 layers, hidden 256, GQA 8/2 heads, FFN 704, one 3072-token bin of 6
 sequences, fp32): ~340 MB of activations against ~12 MB of weights, so allocator noise is small.
@@ -14,8 +14,8 @@ page granularity. Measured on this machine: none -3.5 %, selective -3.6 %, full 
 """
 import pytest
 
-from megatron_rl.tools.estimate import Shapes, activation_memory
-from megatron_rl.tools.step_memory import measure
+from megatron_rl.plan.estimate import Shapes, activation_memory
+from megatron_rl.plan.step_memory import measure
 
 MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5)

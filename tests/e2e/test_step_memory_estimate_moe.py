@@ -1,8 +1,8 @@
-"""The estimator's MoE activation term (`tools.estimate.activation_memory` with `Shapes.experts` > 0,
+"""The estimator's MoE activation term (`plan.estimate.activation_memory` with `Shapes.experts` > 0,
 `kernels="local"`) against the peak memory the real trainer step takes on CPU, recompute none and full.
 
 Same harness as the dense check (tests/e2e/test_step_memory_estimate.py): each mode in a fresh process
-(`tools.step_memory.measure`, peak RSS growth over one `forward_backward` after a warm-up). The model is a
+(`plan.step_memory.measure`, peak RSS growth over one `forward_backward` after a warm-up). The model is a
 tiny random Mixtral (the dense part is the dense check's Llama: 4 layers, hidden 256, GQA 8/2 heads),
 8 experts of width 256, top-2, through Megatron's MoE layer on the local spec (allgather dispatcher,
 SequentialMLP), one 3072-token bin of 6 sequences, fp32. The routed experts' activations are the
@@ -22,8 +22,8 @@ estimated (+2.0 %), full 104.5 MB vs 120.8 MB (-13.4 %).
 """
 import dataclasses
 
-from megatron_rl.tools.estimate import Shapes, activation_memory
-from megatron_rl.tools.step_memory import measure
+from megatron_rl.plan.estimate import Shapes, activation_memory
+from megatron_rl.plan.step_memory import measure
 
 MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, num_local_experts=8,

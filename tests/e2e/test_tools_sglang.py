@@ -17,7 +17,7 @@ from megatron_rl.records import Problem
 def generator(tiny_llama_dir, tmp_path_factory):
     from support.net import free_port
 
-    from megatron_rl.tools.sampling import open_generator
+    from megatron_rl.evaluation.sampling import open_generator
 
     gen = open_generator(str(tiny_llama_dir), free_port(), RolloutConfig(group_size=2, n_async=8, n_batch=2, n_mini=1),
                          GeneratorConfig(max_total_tokens=4096), max_concurrency=8, threads=1,
@@ -32,7 +32,7 @@ def _problems():
 
 
 def test_translate_through_sglang_rejects_wrong_language(generator):
-    from megatron_rl.tools.translate import ChatClient, translate_problems
+    from megatron_rl.data.translate import ChatClient, translate_problems
 
     client = ChatClient(generator.server.url, max_tokens=12, temperature=0.0)
     problems = _problems()
@@ -46,9 +46,9 @@ def test_translate_through_sglang_rejects_wrong_language(generator):
 def test_difficulty_filter_samples_through_the_generator(generator, tiny_llama_dir):
     from transformers import AutoTokenizer
 
-    from megatron_rl.tools.evaluate import summarize
-    from megatron_rl.tools.filter_difficulty import difficulty_filter
-    from megatron_rl.tools.sampling import GeneratorSampler
+    from megatron_rl.evaluation.scoring import summarize
+    from megatron_rl.data.filter_difficulty import difficulty_filter
+    from megatron_rl.evaluation.sampling import GeneratorSampler
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     sampler = GeneratorSampler(generator, tok, "short", {"temperature": 1.0, "max_new_tokens": 8},

@@ -128,7 +128,7 @@ def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_not
     assert server, "SGLang server process not found"
     os.kill(server[0].pid, signal.SIGKILL)
     _wait_for_updates(proc, run_dir, 7)
-    controller = _pids(lambda p: "megatron_rl.control.main" in " ".join(p.info["cmdline"] or []) and
+    controller = _pids(lambda p: "megatron_rl.cli.rank" in " ".join(p.info["cmdline"] or []) and
                        any("multiprocessing" in " ".join(c.cmdline()) for c in p.children()))
     assert controller, "controller rank with grading workers not found"
     grader = [c for c in controller[0].children() if "multiprocessing" in " ".join(c.cmdline())][0]

@@ -1,4 +1,4 @@
-"""The estimator's CPU context-parallel term (`tools.estimate.activation_memory(kernels="local",
+"""The estimator's CPU context-parallel term (`plan.estimate.activation_memory(kernels="local",
 context_parallel=2)`) against what autograd really keeps in the CP=2 training step (2 gloo ranks).
 
 Each rank runs `step.forward_backward` on one packed bin of 2 sequences under saved-tensor hooks and
@@ -27,7 +27,7 @@ def worker(root: Path) -> None:
     from transformers import LlamaConfig
 
     from megatron_rl.config import config_from_dict
-    from megatron_rl.tools.step_memory import _sequences, bench_llama
+    from megatron_rl.plan.step_memory import _sequences, bench_llama
     from megatron_rl.train.parallel import destroy_parallel
     from megatron_rl.train.step import forward_backward
     from megatron_rl.train.trainer import Trainer
@@ -63,8 +63,8 @@ def worker(root: Path) -> None:
 def test_cpu_context_parallel_activations_match_the_estimate(tmp_path):
     from support.torchrun import run_two_ranks
 
-    from megatron_rl.tools.estimate import activation_memory
-    from megatron_rl.tools.step_memory import bench_llama
+    from megatron_rl.plan.estimate import activation_memory
+    from megatron_rl.plan.step_memory import bench_llama
 
     run_two_ranks(__file__, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     shapes = dataclasses.replace(bench_llama(HIDDEN, LAYERS, TOKENS)[1], vocab=VOCAB)

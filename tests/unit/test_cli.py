@@ -95,7 +95,7 @@ def _value_options(parser, path=()):
 def test_every_option_that_takes_a_value_shows_its_default():
     """The docs promise `--help` shows each flag's default: a None default must be named in the help
     (evaluate's --max-new-tokens showed nothing, though it meant rollout.max_new_tokens, 4096)."""
-    from megatron_rl.commands.common import _shows
+    from megatron_rl.cli.common import _shows
 
     hidden = [(" ".join(path), a.option_strings[-1]) for path, a in _value_options(build_parser())
               if not _shows(a.default) and "default" not in (a.help or "").lower()]

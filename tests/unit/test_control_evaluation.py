@@ -14,7 +14,7 @@ import pytest
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
 from megatron_rl.control.evaluation import is_eval_group
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.metrics import METRICS_FILE, Progress, read_jsonl
 from megatron_rl.control.protocol import Graded, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout
@@ -137,7 +137,7 @@ def test_eval_samples_never_reach_the_budget_and_training_in_flight_is_all_grade
         assert row[f"eval/{prefix}problems"] == len(indices)
     assert row["eval/samples"] + row["eval/ungradable"] == 3 * K
     assert "eval/code/pass@3" not in row  # its one problem has a single gradable sample: no pass@3
-    from megatron_rl.control.plot import PANELS, _keys, plot_run
+    from megatron_rl.experiments.plot import PANELS, _keys, plot_run
 
     (eval_panel,) = [keys for title, keys in PANELS if title.startswith("eval")]
     assert [k for pattern in eval_panel for k in _keys(pattern, [row])] == ["eval/pass@1", "eval/pass@3"]

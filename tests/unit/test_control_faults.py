@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from megatron_rl.control.protocol import (Graded, Loaded, RolloutsReport, RunFailed, Tag, WorkerFailure)
 from megatron_rl.control.verifiers import VerifierRanks, reply_timeout_s

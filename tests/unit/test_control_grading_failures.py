@@ -18,7 +18,7 @@ from megatron_rl.config import AlgoConfig, RolloutConfig, config_from_dict
 from megatron_rl.control.budget import RolloutBudget
 from megatron_rl.control.controller import Controller, RunFailed
 from megatron_rl.control.grading import GradingLedger
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, UpdateWindow, read_jsonl
 from megatron_rl.control.protocol import GradeItem, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.metrics import METRICS_FILE, UpdateWindow, merge_updates, read_jsonl
 from megatron_rl.records import Problem, Rollout
 

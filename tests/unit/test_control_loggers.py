@@ -111,7 +111,7 @@ def test_mlflow_run_read_back_by_its_client_holds_the_metrics_lines_and_a_resume
 def test_the_controllers_metrics_lines_reach_tensorboard(tmp_path):
     """The training loop's path: the controller's run log sends each line it writes to run.loggers."""
     from megatron_rl.control.controller import Controller
-    from megatron_rl.control.layout import RankLayout
+    from megatron_rl.plan.layout import RankLayout
     from megatron_rl.records import Problem, Rollout
 
     cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "updates": 3, "loggers": ["jsonl", "tensorboard"]},

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.control import main as control_main
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.protocol import Tag
 from support.control import PickleComm
 

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.protocol import (MESSAGE_TYPES, FinishUpdate, GeneratorStatus, Paused, PauseForUpdate,
                                           Pushed, PushRequest, Resumed, RunFailed, Tag, Trained, TrainReport, TrainRequest,

@@ -36,7 +36,7 @@ def test_mismatch_metrics_reach_the_line_and_the_curves(tmp_path):
     """The trainer's mismatch/... values go to metrics.jsonl under their own names (a line over two
     updates: max of maxima, mean of means) and are drawn by `megatron-rl plot`."""
     from megatron_rl.config import RunConfig
-    from megatron_rl.control.plot import PANELS, plot_run
+    from megatron_rl.experiments.plot import PANELS, plot_run
 
     w = UpdateWindow(graded=[_rollout(1.0, 1.0, [1, 2])])
     run = RunConfig(log_every=2, updates=4)

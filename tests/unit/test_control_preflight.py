@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.commands import doctor
+from megatron_rl.cli import doctor
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.preflight import check_code_sandbox, code_languages
 from megatron_rl.data import DataError

@@ -2,9 +2,10 @@
 import pytest
 import yaml
 
+from megatron_rl.cli import rank as rank_cli
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.control import main as control_main
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 
 
 @pytest.fixture
@@ -54,9 +55,10 @@ def test_with_a_checkpoint_auto_and_require_continue_from_it(prepare, tmp_path, 
 def test_resume_flag_means_require_over_the_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"run": {"resume": "auto"}}))
-    args = control_main.parse_args([str(path), "run.resume=fresh", "--resume"])
-    assert control_main.run_config(args).run.resume == "require"
-    assert control_main.run_config(control_main.parse_args([str(path)])).run.resume == "auto"
+    args = rank_cli.parse_args([str(path), "run.resume=fresh", "--resume"])
+    assert control_main.run_config(args.config, args.overrides, args.resume).run.resume == "require"
+    args = rank_cli.parse_args([str(path)])
+    assert control_main.run_config(args.config, args.overrides, args.resume).run.resume == "auto"
     assert load_config().run.resume == "fresh"
 
 

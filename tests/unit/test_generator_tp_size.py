@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_rl.config import config_from_dict
 from megatron_rl.control.controller import Controller
 from megatron_rl.control.generator_worker import server_spec
-from megatron_rl.control.layout import RankLayout
+from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.protocol import Paused, PushRequest, Tag
 from megatron_rl.records import Problem
 from megatron_rl.rollout.generator import Generator

@@ -1,4 +1,4 @@
-"""The last line `megatron-rl train` prints after a job that ended badly (commands.train.ended_message):
+"""The last line `megatron-rl train` prints after a job that ended badly (cli.train.ended_message):
 it names the failing rank and role from rank 0's report, keeps bad input to one line, names a crash's
 traceback file, mentions only files that exist, and advises starting again only where that can help
 (a rank lost or late). tests/e2e/test_train_command.py checks it on a real failing run."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_rl.commands.train import ended_message
+from megatron_rl.cli.train import ended_message
 from megatron_rl.control.failure_report import clear_records, write_pid_file, write_report
 from megatron_rl.control.protocol import Cause, RunFailed, WorkerFailure
 from megatron_rl.rollout.server import ServerStartError

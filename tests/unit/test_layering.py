@@ -22,7 +22,11 @@ under megatron_rl: `config`, `reward`, `train`, ...):
 - `rollout` <- `sync` <- `control`: rollout does not import sync, sync does not import control (the
   weight update talks through a transport it defines; control's mailbox is one);
 - `reward` imports neither `control` nor `train`, and nothing it reaches (transitively, through our
-  modules) imports Megatron or SGLang: a verifier process must not load either.
+  modules) imports Megatron or SGLang: a verifier process must not load either;
+- `plan` (placement, estimates, the simulator: offline) does not import `control` (the runtime ranks);
+- `cli` is the top: nothing of ours outside it imports it (the root tools/ scripts are outside the
+  package), and only it imports argparse: every command line is parsed there, the code it calls takes
+  typed parameters.
 """
 from __future__ import annotations
 
@@ -50,7 +54,12 @@ FORBIDDEN = [
     ("algo", "ops"), ("algo", "train"), ("ops", "train"),
     ("rollout", "sync"), ("sync", "control"),
     ("reward", "control"), ("reward", "train"),
+    ("plan", "control"),
 ]
+# components that nothing of ours outside them may import (the entry points)
+TOP = {"cli"}
+# top-level modules, stdlib ones included, that only these components may import
+ONLY_IMPORTED_BY = {"argparse": {"cli"}}
 # component -> the only third-party top-level modules it may import (stdlib is always allowed)
 ONLY_THIRD_PARTY = {"algo": {"torch"}}
 # component -> third-party top-level modules that neither it nor anything of ours it reaches may import
@@ -106,7 +115,8 @@ def _target(name: str, modules: set[str]) -> str | None:
 
 
 def import_graph(root: Path, package: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(module -> modules of ours it imports, module -> third-party top-level names it imports)."""
+    """(module -> modules of ours it imports, module -> third-party top-level names it imports, and the
+    stdlib ones that ONLY_IMPORTED_BY restricts)."""
     files = package_modules(root, package)
     names = set(files)
     ours: dict[str, set[str]] = {}
@@ -121,7 +131,7 @@ def import_graph(root: Path, package: str) -> tuple[dict[str, set[str]], dict[st
                 target = _target(name, names)
                 if target is not None and target != module:
                     ours[module].add(target)
-            elif top not in sys.stdlib_module_names:
+            elif top not in sys.stdlib_module_names or top in ONLY_IMPORTED_BY:
                 third[module].add(top)
     return ours, third
 
@@ -179,8 +189,11 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def layer_violations(ours: dict[str, set[str]], third: dict[str, set[str]], package: str,
-                     allowed=None, forbidden=None, only_third=None, no_third=None) -> list[str]:
+                     allowed=None, forbidden=None, only_third=None, no_third=None, top=None,
+                     only_by=None) -> list[str]:
     """One line per arrow that breaks the stated order (the module docstring)."""
+    top = TOP if top is None else top
+    only_by = ONLY_IMPORTED_BY if only_by is None else only_by
     allowed = ALLOWED if allowed is None else allowed
     forbidden = FORBIDDEN if forbidden is None else forbidden
     only_third = ONLY_THIRD_PARTY if only_third is None else only_third
@@ -196,6 +209,10 @@ def layer_violations(ours: dict[str, set[str]], third: dict[str, set[str]], pack
                 out.append(f"{module} -> {target}: {src} may import only {sorted(allowed[src]) or 'nothing of ours'}")
             elif (src, dst) in forbidden:
                 out.append(f"{module} -> {target}: {src} must not import {dst}")
+            elif dst in top:
+                out.append(f"{module} -> {target}: nothing of ours outside {dst} imports it")
+        for lib in sorted(lib for lib in third[module] if lib in only_by and src not in only_by[lib]):
+            out.append(f"{module} -> {lib}: only {sorted(only_by[lib])} may import {lib}")
         if src in only_third:
             for lib in sorted(third[module] - only_third[src]):
                 out.append(f"{module} -> {lib}: {src} may import only {sorted(only_third[src])} outside the stdlib")
@@ -293,5 +310,31 @@ def test_checker_fails_on_a_synthetic_wrong_way_arrow(tmp_path):
     _write(tmp_path, {"fake/config/tree.py": "from fake.errors import X\n", "fake/algo/__init__.py": "import torch\n",
                       "fake/algo/loss.py": "", "fake/rollout/__init__.py": "", "fake/reward/__init__.py": "",
                       "fake/reward/pool.py": "", "fake/sync/coordinator.py": ""})
+    ours, third = import_graph(tmp_path, "fake")
+    assert layer_violations(ours, third, "fake") == []
+
+
+def test_checker_fails_on_synthetic_cli_and_plan_violations(tmp_path):
+    """Only cli parses arguments, nothing imports cli, and the offline planner does not import the runtime."""
+    _write(tmp_path, {
+        "fake/__init__.py": "",
+        "fake/cli/__init__.py": "import argparse\nfrom fake.cli import common\nfrom fake.plan import place\n",
+        "fake/cli/common.py": "import argparse\n",
+        "fake/control/__init__.py": "import argparse\n",
+        "fake/control/main.py": "def f():\n    from fake.cli.common import x\n",
+        "fake/plan/__init__.py": "from fake.control import layout\n",
+        "fake/data/__init__.py": "from argparse import Namespace\n",
+    })
+    ours, third = import_graph(tmp_path, "fake")
+    assert "argparse" in third["fake.cli"]  # stdlib, but tracked: a rule restricts it
+    problems = layer_violations(ours, third, "fake")
+    assert [p.split(":")[0] for p in problems] == [
+        "fake.control -> argparse",
+        "fake.control.main -> fake.cli.common",
+        "fake.data -> argparse",
+        "fake.plan -> fake.control",
+    ]
+    _write(tmp_path, {"fake/control/__init__.py": "", "fake/control/main.py": "", "fake/plan/__init__.py": "",
+                      "fake/data/__init__.py": ""})
     ours, third = import_graph(tmp_path, "fake")
     assert layer_violations(ours, third, "fake") == []

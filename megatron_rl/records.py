@@ -1,15 +1,37 @@
-"""Small typed records that cross subsystem boundaries (generators -> controller -> trainer).
+"""Small typed records that cross subsystem boundaries (controller -> generators -> controller -> trainer).
 
 control/ talks to rollout/, reward/ and train/ only through these: no subsystem reaches into
-another's internals. They are plain dataclasses of Python scalars and lists, so they pickle cheaply
-over MPI and serialise to JSON for checkpoints of the controller state.
+another's internals. They are plain dataclasses of Python scalars and lists (and the config's frozen
+`LengthStage`), so they pickle cheaply over MPI and serialise to JSON for checkpoints of the
+controller state.
+
+The rollout path, typed end to end:
+    GroupRequest   the controller asks a generator for samples of one group: the prompt's token ids
+                   once, the sample indices, the length stage in force and sampling overrides
+    Rollout        each sample comes back with the stage it was requested under (`Rollout.stage`): its
+                   cap, and the overlong-penalty window it is graded with even after a stage switch
+    TrainSequence  a graded sample of a kept group, with its advantage, as the trainer takes it
+
+Episodes (multi-turn; the design's "Episodes"): a rollout is an episode of one or more model turns
+with environment tokens (tool output, user turns) between them. Its completion is everything after
+the prompt, in order: model-sampled tokens and environment tokens, each encoded once. `loss_mask`
+(one entry per completion token) tells them apart: 1 = sampled by the model (its behaviour logprob
+and weight version are real, it carries loss), 0 = environment (no loss; its `behaviour_logprobs`
+entry is ENV_LOGPROB and its `weight_versions` entry ENV_VERSION, placeholders nothing reads).
+`loss_mask` None (a single-turn sample, a one-turn episode) means every completion token is
+model-sampled. `TrainSequence` carries the same mask, so the trainer's loss mask honours it;
+staleness and version statistics read `model_versions` (the model tokens' versions only).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from megatron_rl.config import LengthStage
+
 FinishReason = Literal["stop", "length", "abort"]
+ENV_LOGPROB = 0.0  # behaviour logprob placeholder of an environment token (loss_mask 0)
+ENV_VERSION = -1  # weight version placeholder of an environment token (loss_mask 0)
 
 
 @dataclass
@@ -25,42 +47,71 @@ class Problem:
     messages: list[dict[str, str]] | None = None
 
 
+def check_loss_mask(mask: list[int] | None, n: int, what: str) -> None:
+    """A loss mask over `n` completion tokens: None, or n entries each 0 (environment) or 1 (model)."""
+    if mask is None:
+        return
+    if len(mask) != n:
+        raise ValueError(f"{what}: {n} completion tokens but a loss mask of {len(mask)}")
+    if any(m not in (0, 1) or isinstance(m, float) for m in mask):
+        raise ValueError(f"{what}: loss mask entries must be 0 (environment) or 1 (model), got {sorted(set(mask))}")
+
+
 @dataclass
-class SampleRequest:
-    """One completion to generate: sample `sample_index` of group `group_id`, from `prompt_ids`.
-    What the controller issues, a generator runs (and re-issues after a server restart)."""
+class GroupRequest:
+    """Samples of one group to generate, as the controller issues them and a generator runs them as is
+    (its requests share the prompt's prefix cache): all G indices at first, the missing ones when
+    samples are issued again (a generator lost, a resume).
+
+    `stage`: the length stage in force at issue: the samples are capped at its `max_new_tokens` and
+    their rollouts carry it back (`Rollout.stage`) to be graded with its overlong-penalty window. None
+    (offline sampling, e.g. `megatron-rl evaluate`): the generator's own cap, and no stage on the rollouts.
+    `sampling`: overrides of the rollout's sampling parameters on top of the stage's cap (the
+    evaluation's temperature)."""
 
     group_id: str
-    sample_index: int
     prompt_ids: list[int]
+    sample_indices: list[int]
+    stage: LengthStage | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.sample_indices or len(set(self.sample_indices)) != len(self.sample_indices):
+            raise ValueError(f"group {self.group_id}: sample indices must be distinct and at least one, "
+                             f"got {self.sample_indices}")
 
     @property
-    def key(self) -> tuple[str, int]:
-        return self.group_id, self.sample_index
+    def keys(self) -> list[tuple[str, int]]:
+        return [(self.group_id, i) for i in self.sample_indices]
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """What the generator lays over its configured sampling: the stage's cap, then `sampling`."""
+        cap = {} if self.stage is None else {"max_new_tokens": self.stage.max_new_tokens}
+        return cap | self.sampling
 
 
 @dataclass
 class Rollout:
-    """One sampled completion with everything the loss needs, token by token."""
+    """One sampled completion (an episode) with everything the loss needs, token by token."""
 
     group_id: str  # the G samples of one prompt share it (the controller: "<problem id>#<serial>")
     sample_index: int  # index within the group of G samples
     prompt_ids: list[int]
-    completion_ids: list[int]
+    completion_ids: list[int]  # model turns and, in an episode, environment tokens between them
     behaviour_logprobs: list[float]  # logprob the generator reported for each completion token
     weight_versions: list[int]  # policy version that produced each completion token
     finish_reason: FinishReason
     text: str = ""  # decoded completion
     reward: float | None = None
-    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_components: dict[str, float] = field(default_factory=dict)  # RewardBreakdown.components()
     generator_id: int = 0
-    # Length stage the sample was requested under (rollout.length_schedule): its generation cap and
-    # the overlong-penalty window it is graded with, even when grading happens after a stage switch.
-    max_new_tokens: int | None = None
-    l_max: int | None = None
-    l_cache: int | None = None
+    # Length stage the sample was requested under (GroupRequest.stage): its generation cap and the
+    # overlong-penalty window it is graded with, even when grading happens after a stage switch.
+    stage: LengthStage | None = None
     # Sampling temperature: the behaviour logprobs are of log_softmax(logits / temperature).
     temperature: float = 1.0
+    # 1 = model-sampled, 0 = environment token (module docstring); None: every token is the model's.
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -68,28 +119,44 @@ class Rollout:
             raise ValueError(
                 f"rollout {self.group_id}/{self.sample_index}: {n} completion tokens but "
                 f"{len(self.behaviour_logprobs)} logprobs and {len(self.weight_versions)} versions")
+        check_loss_mask(self.loss_mask, n, f"rollout {self.group_id}/{self.sample_index}")
 
     @property
     def key(self) -> tuple[str, int]:
         return self.group_id, self.sample_index
 
     @property
+    def model_versions(self) -> list[int]:
+        """Weight versions of the model-sampled tokens (environment tokens have none)."""
+        if self.loss_mask is None:
+            return self.weight_versions
+        return [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
+
+    @property
     def oldest_version(self) -> int:
-        return min(self.weight_versions) if self.weight_versions else -1
+        versions = self.model_versions
+        return min(versions) if versions else -1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Rollout":
+        data = dict(data)
         if "problem_id" in data:  # checkpoints written before the field was named for what it holds
-            data = {("group_id" if k == "problem_id" else k): v for k, v in data.items()}
+            data["group_id"] = data.pop("problem_id")
+        old = [data.pop(k, None) for k in ("max_new_tokens", "l_max", "l_cache")]  # before `stage`
+        if isinstance(data.get("stage"), dict):
+            data["stage"] = LengthStage(**data["stage"])
+        elif None not in old:  # the stage's start was not kept then: only its cap and window matter
+            data["stage"] = LengthStage(0, *old)
         return cls(**data)
 
 
 @dataclass
 class TrainSequence:
-    """One sequence as the trainer sees it: prompt + completion tokens, loss on the completion."""
+    """One sequence as the trainer sees it: prompt + completion tokens, loss on the completion's model
+    tokens (all of them, or those `loss_mask` marks 1: environment tokens of an episode carry none)."""
 
     token_ids: list[int]  # prompt followed by completion
     prompt_len: int
@@ -99,6 +166,7 @@ class TrainSequence:
     # Temperature the completion was sampled at: the trainer scores it with logits / temperature.
     temperature: float = 1.0
     group_id: str = ""  # samples of one prompt share it (the KL-in-reward baseline is per group)
+    loss_mask: list[int] | None = None  # Rollout.loss_mask: one per completion token; None: all 1
 
     def __post_init__(self) -> None:
         n = len(self.token_ids) - self.prompt_len
@@ -111,10 +179,25 @@ class TrainSequence:
             raise ValueError(f"{n} completion tokens but {len(self.behaviour_logprobs)} behaviour logprobs")
         if self.weight_versions and len(self.weight_versions) != n:  # empty: versions unknown
             raise ValueError(f"{n} completion tokens but {len(self.weight_versions)} weight versions")
+        check_loss_mask(self.loss_mask, n, "sequence")
+        if self.loss_mask is not None and not any(self.loss_mask):
+            raise ValueError("sequence has no model-sampled completion token (its loss mask is all 0)")
 
     @property
     def completion_len(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def n_loss_tokens(self) -> int:
+        """Completion tokens that carry loss: all of them, or the model's of an episode."""
+        return self.completion_len if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def model_versions(self) -> list[int]:
+        """Weight versions of the tokens that carry loss (empty: versions unknown)."""
+        if self.loss_mask is None or not self.weight_versions:
+            return self.weight_versions
+        return [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
 
 
 @dataclass

@@ -13,11 +13,14 @@ Pure bookkeeping (no MPI, no I/O) so every rule is unit-tested:
   (stale_policy=drop), or kept for importance re-weighting (reweight);
 - everything needed to resume (pending problems, partial groups, ready sequences) is exported by
   `state_dict` so a restart loses and duplicates nothing.
+What becomes of a group is a `GroupOutcome`: kept (its samples wait for a batch), or dropped as
+non-diverse, for a failed grading, or stale; the counters and the group events name them.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -25,6 +28,15 @@ import torch
 from megatron_rl.algo.advantages import compute_group_advantages
 from megatron_rl.config import AlgoConfig, RolloutConfig
 from megatron_rl.records import Batch, Problem, Rollout, TrainSequence
+
+
+class GroupOutcome(StrEnum):
+    """What became of a group: the `fate` of its event in groups.jsonl (a StrEnum: written as its value)."""
+
+    KEPT = "kept"  # complete and diverse: its samples wait in `ready` for a batch
+    NON_DIVERSE = "non_diverse"  # complete, its rewards all equal (A = 0 everywhere): dropped before batching
+    GRADING_FAILED = "grading_failed"  # complete with a sample nobody could grade: dropped whole
+    STALE = "stale"  # kept, then dropped by take_batch past max_staleness (stale_policy=drop)
 
 
 @dataclass
@@ -61,13 +73,19 @@ class ReadySequence:
         return TrainSequence(token_ids=list(r.prompt_ids) + list(r.completion_ids), prompt_len=len(r.prompt_ids),
                              behaviour_logprobs=list(r.behaviour_logprobs), advantage=self.advantage,
                              weight_versions=list(r.weight_versions), temperature=r.temperature,
-                             group_id=self.group_id)
+                             group_id=self.group_id, loss_mask=None if r.loss_mask is None else list(r.loss_mask))
+
+
+# the counter of each outcome that drops a group, and its key in the metrics line
+DROPPED = {GroupOutcome.NON_DIVERSE: ("groups_dropped_non_diverse", "groups/dropped_non_diverse"),
+           GroupOutcome.STALE: ("groups_dropped_stale", "groups/dropped_stale"),
+           GroupOutcome.GRADING_FAILED: ("groups_dropped_grading", "groups/dropped_grading")}
 
 
 @dataclass
 class BudgetCounters:
     groups_started: int = 0
-    groups_completed: int = 0
+    groups_completed: int = 0  # every sample back (graded or given up on): kept, non-diverse or grading failed
     groups_dropped_non_diverse: int = 0
     groups_dropped_stale: int = 0
     groups_dropped_grading: int = 0  # a sample's grading failed for good (budget.add_failed)
@@ -79,15 +97,25 @@ class BudgetCounters:
     tokens_completed: int = 0
     tokens_trained: int = 0
 
+    def dropped(self, outcome: GroupOutcome, n: int = 1) -> None:
+        name, _ = DROPPED[outcome]
+        setattr(self, name, getattr(self, name) + n)
+
+    def group_metrics(self) -> dict[str, int]:
+        """`groups/completed` and `groups/dropped_<why>` of the metrics line."""
+        return {"groups/completed": self.groups_completed} | {key: getattr(self, name) for name, key in DROPPED.values()}
+
 
 def token_staleness(rollouts, trainer_version: int) -> float:
     """Mean over the completion tokens of `rollouts` of (trainer_version - the version that sampled the
     token): the staleness the loss sees, token by token (in-flight updates make a sequence partly fresh;
-    each token's ratio is taken against its own behaviour logprob)."""
-    tokens = sum(len(r.weight_versions) for r in rollouts)
+    each token's ratio is taken against its own behaviour logprob). Environment tokens of an episode
+    have no version: only the model's count."""
+    versions = [r.model_versions for r in rollouts]
+    tokens = sum(len(v) for v in versions)
     if not tokens:
         return 0.0
-    return trainer_version - sum(sum(r.weight_versions) for r in rollouts) / tokens
+    return trainer_version - sum(sum(v) for v in versions) / tokens
 
 
 class RolloutBudget:
@@ -154,10 +182,10 @@ class RolloutBudget:
         return [(g.group_id, i) for g in self.groups.values() for i in range(self.cfg.group_size) if not g.has(i)]
 
     # ------------------------------------------------------------------ results
-    def add_graded(self, rollout: Rollout) -> str | None:
-        """Record a graded sample of group `rollout.group_id`. Returns the group's fate
-        once complete: "kept", "non_diverse", "grading_failed" (see add_failed); None while samples are
-        missing. Duplicates are ignored."""
+    def add_graded(self, rollout: Rollout) -> GroupOutcome | None:
+        """Record a graded sample of group `rollout.group_id`. Returns the group's outcome once
+        complete: KEPT, NON_DIVERSE, GRADING_FAILED (see add_failed); None while samples are missing.
+        Duplicates are ignored."""
         group = self.groups.get(rollout.group_id)
         if group is None or group.has(rollout.sample_index):
             return None  # late duplicate of a re-issued sample, or an unknown group
@@ -169,28 +197,28 @@ class RolloutBudget:
         if not self._close(group):
             return None
         if group.failed:
-            return "grading_failed"
+            return GroupOutcome.GRADING_FAILED
         samples = [group.rollouts[i] for i in range(self.cfg.group_size)]
         rewards = torch.tensor([[s.reward for s in samples]], dtype=torch.float64)
         adv = compute_group_advantages(rewards, self.algo)
         if adv.n_dropped:
-            self.counters.groups_dropped_non_diverse += 1
-            return "non_diverse"
+            self.counters.dropped(GroupOutcome.NON_DIVERSE)
+            return GroupOutcome.NON_DIVERSE
         self.ready.extend(ReadySequence(s, float(a), group.group_id)
                           for s, a in zip(samples, adv.advantages[0].tolist()))
         self._problems[group.group_id] = group.problem
-        return "kept"
+        return GroupOutcome.KEPT
 
-    def add_failed(self, group_id: str, sample_index: int) -> str | None:
+    def add_failed(self, group_id: str, sample_index: int) -> GroupOutcome | None:
         """Record a sample whose grading failed for good: it has no reward. Once every sample of its group
-        is back the whole group is dropped ("grading_failed"): a made-up reward would train a verdict no
+        is back the whole group is dropped (GRADING_FAILED): a made-up reward would train a verdict no
         grader gave, and centring the others on a group with a member missing would bias their advantages.
         Its problem is not re-queued: one whose grading always fails would be sampled forever."""
         group = self.groups.get(group_id)
         if group is None or group.has(sample_index):
             return None
         group.failed.add(sample_index)
-        return "grading_failed" if self._close(group) else None
+        return GroupOutcome.GRADING_FAILED if self._close(group) else None
 
     def _close(self, group: PendingGroup) -> bool:
         """Retire a group once all its samples are back (graded or failed); False while some are missing."""
@@ -199,7 +227,7 @@ class RolloutBudget:
         del self.groups[group.group_id]
         self.counters.groups_completed += 1
         if group.failed:
-            self.counters.groups_dropped_grading += 1
+            self.counters.dropped(GroupOutcome.GRADING_FAILED)
         return True
 
     # ------------------------------------------------------------------ batching
@@ -243,7 +271,7 @@ class RolloutBudget:
         if not stale:
             return
         self.ready = deque(r for r in self.ready if r.group_id not in stale)
-        self.counters.groups_dropped_stale += len(stale)
+        self.counters.dropped(GroupOutcome.STALE, len(stale))
         for group_id in stale:
             problem = self._problems.pop(group_id)
             if len(waiting[group_id]) == self.cfg.group_size:

@@ -149,11 +149,8 @@ class Controller:
         return Path(self.mailbox.await_reply(Saved, REPLY_TIMEOUT_S, on_failure=self._on_failure).path)
 
     def _write_metrics(self) -> bool:
-        c = self.flow.budget.counters
-        state = {"groups/dropped_non_diverse": c.groups_dropped_non_diverse,
-                 "groups/dropped_stale": c.groups_dropped_stale, "groups/completed": c.groups_completed,
-                 "groups/dropped_grading": c.groups_dropped_grading,
-                 "in_flight": self.flow.budget.in_flight, "ready": len(self.flow.budget.ready)}
+        state = self.flow.budget.counters.group_metrics()  # groups/completed, groups/dropped_<outcome>
+        state |= {"in_flight": self.flow.budget.in_flight, "ready": len(self.flow.budget.ready)}
         state |= self.flow.budget.length_stats()  # trained vs all graded samples: the staleness rule's length bias
         return self.log.write_line(self.updates_done, self.version, state | stage_metrics(self.flow.stage()),
                                    hold=self._hold_for_eval)

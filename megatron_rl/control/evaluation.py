@@ -12,7 +12,9 @@ checkpoint if one is due at that update.
 
 Evaluation samples never reach the rollout budget: their group ids live in their own namespace
 ("eval@<update>/<index>", never containing the '#' of a training group id) and the rollout flow routes
-them here. Grading goes through the same graders; a sample nobody could grade is counted in
+them here by that namespace alone (`is_eval_group`, in `RolloutFlow.groups_of`): their sampling, their
+problem and their verdicts; a sample of a round already finished is ignored here.
+Grading goes through the same graders; a sample nobody could grade is counted in
 `eval/ungradable`, never as a wrong answer (evaluation/scoring.py aggregates, as `megatron-rl evaluate`).
 
 Checkpoints: a round not finished at a checkpoint (a stop during the round) is saved as "pending" with
@@ -89,16 +91,23 @@ class Evaluation:
         r.verdicts = {r.group_id(i): [None] * self.k for i in range(len(self.problems))}
         return [(r.group_id(i), p, self.k) for i, p in enumerate(self.problems)]
 
-    def owns(self, group_id: str) -> bool:
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """Overrides of the rollout's sampling for evaluation samples."""
+        return {"temperature": self.temperature}
+
+    def _current(self, group_id: str) -> bool:
         return self.round is not None and group_id in self.round.verdicts
 
-    def problem(self, group_id: str) -> Problem:
-        return self.problems[int(group_id.rsplit("/", 1)[1])]
+    def problem(self, group_id: str) -> Problem | None:
+        """The problem of an evaluation group of the running round (None: not of it, a late sample)."""
+        return self.problems[int(group_id.rsplit("/", 1)[1])] if self._current(group_id) else None
 
-    def record(self, rollout: Rollout, failed: bool) -> None:
-        """A graded evaluation sample (failed: no verdict exists)."""
+    def settle(self, rollout: Rollout, failed: bool) -> None:
+        """A graded evaluation sample (failed: no verdict exists); never the budget's, nor the window's."""
         r = self.round
-        assert r is not None
+        if r is None or not self._current(rollout.group_id):
+            return  # a sample of a round already finished
         slots = r.verdicts[rollout.group_id]
         if slots[rollout.sample_index] is not None:
             return  # a duplicate (a sample re-issued after a generator died)
@@ -106,7 +115,7 @@ class Evaluation:
         slots[rollout.sample_index] = (Verdict(False, False, None, "ungradable", gradable=False) if failed else
                                        Verdict(c.get("correct", 0.0) > 0, c.get("format_ok", 0.0) > 0,
                                                rollout.reward, "ok"))
-        r.off_version += any(v != r.version for v in rollout.weight_versions)
+        r.off_version += any(v != r.version for v in rollout.model_versions)
 
     @property
     def complete(self) -> bool:

@@ -14,7 +14,6 @@ from megatron_rl.config import Config
 from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, PauseForUpdate, RolloutsReport, Stop,
                                           WorkerFailure)
-from megatron_rl.records import SampleRequest
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.generator_side import answer, status_of
@@ -100,9 +99,5 @@ def _check_gpus(gpus: tuple[int, ...], rank: int) -> None:
 
 
 def _submit(gen: Generator, request: GenerateRequest) -> None:
-    by_group: dict[str, list[SampleRequest]] = {}
-    for s in request.samples:
-        by_group.setdefault(s.group_id, []).append(s)
-    for group_id, samples in by_group.items():
-        gen.submit(group_id, samples[0].prompt_ids, sampling=request.sampling,
-                   sample_indices=[s.sample_index for s in samples])
+    for group in request.groups:  # each as it came: prompt ids once, its stage and sampling
+        gen.submit_group(group)

@@ -5,19 +5,19 @@ pool's worker processes do the grading); `verifier_loop` serves the same pool on
 verifier rank, fed over MPI by the controller (see controller.py). Both survive hung items
 (per-item timeout -> status "timeout") and crashed grading processes (re-issued).
 
-A result whose status is not "ok" (timeout, crash, error, sandbox_unavailable) is a grading FAILURE,
-never a reward: `GradingLedger` sends the sample to be graded again (reward.regrade_attempts times),
+A result whose status is not OK (reward.types.GradeStatus: timeout, crash, error,
+sandbox_unavailable) is a grading FAILURE, never a reward: `GradingLedger` sends the sample to be graded again (reward.regrade_attempts times),
 then gives up on it, and the controller drops its whole group (`RolloutBudget.add_failed`).
 
 Each item is graded with the overlong-penalty window of the length stage its rollout was requested
-under (`GradeItem.l_max` / `l_cache`), never the stage current when it is graded: with asynchronous generation a
-sample requested before a stage switch is often graded after it.
+under (`GradeItem.stage`, from `Rollout.stage`), never the stage current when it is graded: with
+asynchronous generation a sample requested before a stage switch is often graded after it. Verdicts
+travel as `RewardBreakdown`s (`Graded.results`) and are read by their typed fields.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
 
 from megatron_rl.config import RewardConfig
 from megatron_rl.control.metrics import UpdateWindow
@@ -25,21 +25,18 @@ from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import GradeItem, Graded, Key, RunFailed, Stop, WorkerFailure
 from megatron_rl.records import Rollout
 from megatron_rl.reward import VerifierPool
-from megatron_rl.reward.types import reward_components
+from megatron_rl.reward.types import GradeStatus, RewardBreakdown
 
 
-def grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[Key, dict]]:
+def grade(pool: VerifierPool, items: list[GradeItem]) -> list[tuple[Key, RewardBreakdown]]:
     """Grade items (what both LocalGrader and verifier ranks run)."""
-    results = pool.map([{"task": it.task, "response": it.response, "num_tokens": it.num_tokens,
-                         "l_max": it.l_max, "l_cache": it.l_cache}
-                        for it in items])
-    return [(it.key, r.to_dict()) for it, r in zip(items, results)]
+    return list(zip((it.key for it in items), pool.map([it.score_item() for it in items])))
 
 
-def apply_verdict(rollout: Rollout, breakdown: dict[str, Any]) -> None:
-    """Stamp a graded ("ok") breakdown on its rollout: the reward and its components."""
-    rollout.reward = float(breakdown["total"])
-    rollout.reward_components = reward_components(breakdown)
+def apply_verdict(rollout: Rollout, breakdown: RewardBreakdown) -> None:
+    """Stamp a graded (OK) breakdown on its rollout: the reward and its components."""
+    rollout.reward = float(breakdown.total)
+    rollout.reward_components = breakdown.components()
 
 
 class GradingLedger:
@@ -66,7 +63,7 @@ class GradingLedger:
         self.pending[item.key] = (rollout, item)
         return item
 
-    def settle(self, results: list[tuple[Key, dict]], window: UpdateWindow
+    def settle(self, results: list[tuple[Key, RewardBreakdown]], window: UpdateWindow
                ) -> tuple[list[tuple[Rollout, bool]], list[GradeItem]]:
         """(rollout, failed) for each sample now settled (verdicts stamped on their rollouts), and the
         items to grade again. Results for samples no longer pending (late duplicates) are ignored."""
@@ -77,8 +74,8 @@ class GradingLedger:
             if key not in self.pending:
                 continue
             rollout, item = self.pending[key]
-            status = breakdown.get("status", "ok")
-            if status == "ok":
+            status = GradeStatus(breakdown.status)
+            if status is GradeStatus.OK:
                 apply_verdict(rollout, breakdown)
                 self._given_up_in_a_row = 0
             else:
@@ -90,13 +87,13 @@ class GradingLedger:
                     continue
                 self._given_up_in_a_row += 1
                 if self._given_up_in_a_row >= self.give_up_after:
-                    why = " ".join(str(breakdown.get("error", "")).split())[:300]
+                    why = " ".join(breakdown.error.split())[:300]
                     raise RunFailed(f"grading failed for {self._given_up_in_a_row} samples in a row with no "
                                     f"verdict in between (last: {status}: {why}); `megatron-rl doctor` checks "
                                     f"the sandbox")
             del self.pending[key]
             self._failures.pop(key, None)
-            settled.append((rollout, status != "ok"))
+            settled.append((rollout, status is not GradeStatus.OK))
         return settled, again
 
 
@@ -104,7 +101,7 @@ class LocalGrader:
     def __init__(self, config: RewardConfig):
         self.pool = VerifierPool(config).start()
         self._in: queue.Queue[GradeItem | None] = queue.Queue()
-        self._out: queue.Queue[tuple[Key, dict]] = queue.Queue()
+        self._out: queue.Queue[tuple[Key, RewardBreakdown]] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="grader", daemon=True)
         self._thread.start()
@@ -131,7 +128,7 @@ class LocalGrader:
         for it in items:
             self._in.put(it)
 
-    def poll(self) -> list[tuple[Key, dict]]:
+    def poll(self) -> list[tuple[Key, RewardBreakdown]]:
         if self._error is not None:
             raise RuntimeError(f"grading thread failed: {self._error}") from self._error
         out = []

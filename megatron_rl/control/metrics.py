@@ -79,15 +79,15 @@ def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str
     out["length/mean"] = sum(lengths) / n
     out["length/max"] = float(max(lengths))
     out["finish/length_frac"] = sum(r.finish_reason == "length" for r in rs) / n
-    staged = [r for r in rs if r.max_new_tokens is not None and r.l_max is not None]
-    if staged:  # the length stages these rollouts were requested under (a mix across a switch)
-        out["length/cap_mean"] = sum(r.max_new_tokens for r in staged) / len(staged)  # type: ignore[misc]
-        out["length/l_max_mean"] = sum(r.l_max for r in staged) / len(staged)  # type: ignore[misc]
-    stale = [trainer_version - v for r in rs for v in r.weight_versions]
+    stages = [r.stage for r in rs if r.stage is not None]
+    if stages:  # the length stages these rollouts were requested under (a mix across a switch)
+        out["length/cap_mean"] = sum(s.max_new_tokens for s in stages) / len(stages)
+        out["length/l_max_mean"] = sum(s.l_max for s in stages) / len(stages)
+    stale = [trainer_version - v for r in rs for v in r.model_versions]  # environment tokens have no version
     if stale:
         out["staleness/mean"] = sum(stale) / len(stale)
         out["staleness/max"] = float(max(stale))
-    out["versions_per_sequence/mean"] = sum(len(set(r.weight_versions)) for r in rs) / n
+    out["versions_per_sequence/mean"] = sum(len(set(r.model_versions)) for r in rs) / n
     return out
 
 
@@ -95,7 +95,7 @@ def batch_stats(batch: Batch) -> dict[str, float]:
     """Size of a trained batch and the staleness of its tokens (policy version - the version that
     sampled each token, as the loss sees it): mean over the batch's tokens and the largest."""
     seqs = batch.sequences
-    lags = [batch.policy_version - v for s in seqs for v in s.weight_versions]
+    lags = [batch.policy_version - v for s in seqs for v in s.model_versions]
     out = {"batch/sequences": len(seqs), "batch/tokens": sum(s.completion_len for s in seqs)}
     if lags:
         out |= {"batch/staleness_mean": sum(lags) / len(lags), "batch/staleness_max": max(lags)}

@@ -9,12 +9,14 @@ The weight update's messages are sync/messages.py's (sync/ knows no MPI): they g
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any
 
 from megatron_rl.errors import InputError
-from megatron_rl.records import Batch, Rollout, SampleRequest
+from megatron_rl.config import LengthStage
+from megatron_rl.records import Batch, GroupRequest, Rollout
+from megatron_rl.reward.types import RewardBreakdown, ScoreItem
 from megatron_rl.sync.messages import (FinishUpdate, GeneratorStatus, Paused, PauseForUpdate, Pushed, PushRequest,
                                        Resumed)
 
@@ -24,8 +26,10 @@ Key = tuple[str, int]  # (group id, sample index)
 # ---------------------------------------------------------------- controller <-> generators
 @dataclass
 class GenerateRequest:
-    samples: list[SampleRequest]
-    sampling: dict[str, Any] = field(default_factory=dict)  # overrides, e.g. max_new_tokens
+    """Groups for one generator; each is submitted as is (records.GroupRequest: prompt ids once per
+    group, its sample indices, length stage and sampling overrides)."""
+
+    groups: list[GroupRequest]
 
 
 @dataclass
@@ -83,9 +87,13 @@ class GradeItem:
     task: dict[str, Any]
     response: str
     num_tokens: int
-    # Overlong-penalty window of the length stage the rollout was requested under (None: the config's).
-    l_max: int | None = None
-    l_cache: int | None = None
+    # The length stage the rollout was requested under (Rollout.stage): its overlong-penalty window
+    # grades it, even after a stage switch (None: the config's window).
+    stage: LengthStage | None = None
+
+    def score_item(self) -> ScoreItem:
+        """What the verifier pool grades (reward.types.ScoreItem)."""
+        return ScoreItem(self.task, self.response, self.num_tokens, self.stage)
 
 
 @dataclass
@@ -95,7 +103,7 @@ class GradeRequest:
 
 @dataclass
 class Graded:
-    results: list[tuple[Key, dict]]  # RewardBreakdown dicts
+    results: list[tuple[Key, RewardBreakdown]]
 
 
 # ---------------------------------------------------------------- any

@@ -1,25 +1,30 @@
 """The rollout flow: from a problem to graded samples in the budget.
 
     fill     start groups of G samples as the budget admits them (n_async in flight, the staleness
-             bound: budget.free_group_slots); each group goes whole to the least-loaded live generator
-             (its G requests share the prompt's prefix cache)
-    collect  a generator's finished rollouts are stamped with the length stage they were requested
-             under and sent to grading (the controller's own pool, or verifier ranks in turn)
-    settle   verdicts go to the budget (groups, advantages, filtering); a failed grading is graded
-             again or, given up on, drops its group (grading.GradingLedger)
+             bound: budget.free_group_slots); each group goes whole, as one records.GroupRequest, to
+             the least-loaded live generator (its G requests share the prompt's prefix cache)
+    collect  a generator's finished rollouts come back carrying the length stage they were requested
+             under (`Rollout.stage`) and are sent to grading with it (the controller's own pool, or
+             verifier ranks in turn)
+    settle   verdicts (`RewardBreakdown`s) go to the budget (groups, advantages, filtering; each group
+             ends in a `GroupOutcome`); a failed grading is graded again or, given up on, drops its
+             group (grading.GradingLedger)
 A dead generator's samples are issued again to the live ones, a dead or hung verifier rank's items
 sent to the live ones (verifiers.py).
 Length stages (rollout.length_schedule): a sample is requested with the cap of the stage in force
 when it is issued and graded with that stage's overlong-penalty window, even after a switch.
+Evaluation samples take the same path; their group ids have their own namespace, and `groups_of` is
+the one place that routes a group to the evaluation or to training (its sampling, its problem, where
+its verdicts go).
 """
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from megatron_rl.config import Config, LengthStage, length_stages, stage_at
-from megatron_rl.control.budget import PendingGroup, RolloutBudget
-from megatron_rl.control.evaluation import Evaluation
+from megatron_rl.control.budget import GroupOutcome, PendingGroup, RolloutBudget
+from megatron_rl.control.evaluation import Evaluation, is_eval_group
 from megatron_rl.control.grading import GradingLedger, LocalGrader
 from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
@@ -28,7 +33,58 @@ from megatron_rl.control.protocol import Cause, GenerateRequest, GradeItem, Grad
 from megatron_rl.control.run_log import RunLog
 from megatron_rl.control.verifiers import VerifierRanks
 from megatron_rl.data.prompts import get_template, render_prompt_ids
-from megatron_rl.records import Problem, SampleRequest
+from megatron_rl.records import GroupRequest, Problem, Rollout
+from megatron_rl.reward.types import RewardBreakdown
+
+
+class Groups(Protocol):
+    """Where the samples of a kind of group go (training: `TrainingGroups`; evaluation: `Evaluation`)."""
+
+    @property
+    def sampling(self) -> dict[str, Any]: ...  # overrides of the rollout's sampling
+
+    def problem(self, group_id: str) -> Problem | None: ...  # None: no such group in flight (a late sample)
+
+    def settle(self, rollout: Rollout, failed: bool) -> None: ...  # graded, or grading given up on
+
+
+class TrainingGroups:
+    """Training groups: verdicts go to the budget and the update window; a group that ends is recorded
+    (its problem's pass rate, a group event) and its prompt forgotten."""
+
+    sampling: dict[str, Any] = {}  # the rollout's own
+
+    def __init__(self, budget: RolloutBudget, queue: ProblemQueue, log: RunLog, updates_done: Callable[[], int],
+                 prompt_ids: dict[str, list[int]]):
+        self.budget, self.queue, self.log, self.updates_done, self.prompt_ids = \
+            budget, queue, log, updates_done, prompt_ids
+
+    def problem(self, group_id: str) -> Problem | None:
+        group = self.budget.groups.get(group_id)
+        return None if group is None else group.problem
+
+    def settle(self, rollout: Rollout, failed: bool) -> None:
+        group = self.budget.groups.get(rollout.group_id)
+        if failed:
+            outcome = self.budget.add_failed(rollout.group_id, rollout.sample_index)
+        else:
+            self.log.window.graded.append(rollout)
+            outcome = self.budget.add_graded(rollout)
+        if outcome is not None and group is not None:
+            self._done(group, outcome)
+
+    def _done(self, group: PendingGroup, outcome: GroupOutcome) -> None:
+        rollouts = group.rollouts.values()
+        pass_rate = None  # a group with a sample nobody could grade says nothing about its problem
+        if outcome is not GroupOutcome.GRADING_FAILED:
+            pass_rate = sum(r.reward_components.get("correct", 0.0) for r in rollouts) / len(group.rollouts)
+            self.queue.record(group.problem.problem_id, pass_rate)
+        self.prompt_ids.pop(group.group_id, None)
+        # every sample's fate: graded (a verdict) or failed (grading given up on), by index
+        self.log.group_done({"group_id": group.group_id, "problem_id": group.problem.problem_id,
+                             "fate": outcome.value, "pass_rate": pass_rate, "rewards": [r.reward for r in rollouts],
+                             "graded": sorted(group.rollouts), "failed": sorted(group.failed),
+                             "update": self.updates_done()})
 
 
 class RolloutFlow:
@@ -44,10 +100,10 @@ class RolloutFlow:
         self.gen_load: dict[int, int] = {r: 0 for r in layout.generator_ranks}  # samples out per generator
         self.dead_generators: set[int] = set()
         self.sample_owner: dict[Key, int] = {}  # the generator each sample in flight was sent to
-        self.sample_stage: dict[Key, LengthStage] = {}  # the stage each sample was issued under
         self.prompt_ids: dict[str, list[int]] = {}  # group id -> prompt token ids
         self.ledger = GradingLedger(cfg.reward.regrade_attempts, cfg.rollout.n_async)  # samples being graded
         self.evaluation = Evaluation(cfg, eval_problems or [])  # its samples never reach the budget
+        self.training = TrainingGroups(self.budget, self.queue, log, updates_done, self.prompt_ids)
         self.grader = LocalGrader(cfg.reward) if layout.verifiers == 0 else None
         self.verifiers = VerifierRanks(layout.verifier_ranks, cfg.reward)
 
@@ -57,16 +113,20 @@ class RolloutFlow:
     def alive_generators(self) -> list[int]:
         return [r for r in self.layout.generator_ranks if r not in self.dead_generators]
 
+    def groups_of(self, group_id: str) -> Groups:
+        """The one routing point: an evaluation group (its own id namespace) or a training group."""
+        return self.evaluation if is_eval_group(group_id) else self.training
+
     # ================================================================== issuing
     def fill(self) -> None:
-        requests: list[SampleRequest] = []
+        requests: list[GroupRequest] = []
         for _ in range(self.budget.free_group_slots()):
             while self.budget.requeue:
                 self.queue.requeue(self.budget.requeue.popleft())
             problem = self.queue.next()
             group = self.budget.start_group(problem)
             self.prompt_ids[group.group_id] = render_prompt_ids(self.tokenizer, problem, self.template)
-            requests += self._requests(group.group_id, range(self.budget.cfg.group_size))
+            requests.append(self._request(group.group_id, range(self.budget.cfg.group_size)))
         if requests:
             self._issue(requests)
 
@@ -74,13 +134,15 @@ class RolloutFlow:
         """After a resume: prompts of the checkpointed groups, and every sample not yet graded."""
         for g in self.budget.groups.values():
             self.prompt_ids[g.group_id] = render_prompt_ids(self.tokenizer, g.problem, self.template)
-        self._issue([r for group_id, i in self.budget.outstanding_samples() for r in self._requests(group_id, [i])])
+        self._issue(self._requests(self.budget.outstanding_samples()))
 
     def start_eval(self, version: int) -> None:
         """Issue the held evaluation round's samples (weights `version` on every generator)."""
+        requests = []
         for group_id, problem, k in self.evaluation.start(version):
             self.prompt_ids[group_id] = render_prompt_ids(self.tokenizer, problem, self.template)
-            self._issue(self._requests(group_id, range(k)), self._eval_sampling())
+            requests.append(self._request(group_id, range(k)))
+        self._issue(requests)
 
     def finish_eval(self) -> dict[str, Any]:
         """The evaluated update's metrics line with the round's results."""
@@ -88,47 +150,45 @@ class RolloutFlow:
             self.prompt_ids.pop(group_id, None)
         return self.evaluation.finish()
 
-    def _eval_sampling(self) -> dict[str, Any]:
-        return {"temperature": self.evaluation.temperature}
+    def _request(self, group_id: str, indices) -> GroupRequest:
+        """Samples `indices` of a group, under the stage in force and the sampling of its kind."""
+        return GroupRequest(group_id, self.prompt_ids[group_id], list(indices), self.stage(),
+                            dict(self.groups_of(group_id).sampling))
 
-    def _requests(self, group_id: str, indices) -> list[SampleRequest]:
-        return [SampleRequest(group_id, i, self.prompt_ids[group_id]) for i in indices]
+    def _requests(self, keys: list[Key]) -> list[GroupRequest]:
+        """Samples by (group id, index), as one request per group (in the order the groups first appear)."""
+        by_group: dict[str, list[int]] = {}
+        for group_id, i in keys:
+            by_group.setdefault(group_id, []).append(i)
+        return [self._request(group_id, indices) for group_id, indices in by_group.items()]
 
-    def _issue(self, requests: list[SampleRequest], sampling: dict[str, Any] | None = None) -> None:
-        """Send samples to generators, keeping each group on one generator (shared prefix cache);
-        `sampling` overrides the rollout's sampling (the evaluation's temperature)."""
+    def _issue(self, requests: list[GroupRequest]) -> None:
+        """Send groups to generators, each whole to the least-loaded live one (shared prefix cache)."""
+        if not requests:
+            return
         alive = self.alive_generators()
         if not alive:
             raise RunFailed("every generator is dead", Cause.LOST)
-        by_group: dict[str, list[SampleRequest]] = {}
-        for s in requests:
-            by_group.setdefault(s.group_id, []).append(s)
-        per_rank: dict[int, list[SampleRequest]] = {}
-        stage = self.stage()
-        for group in by_group.values():
+        per_rank: dict[int, list[GroupRequest]] = {}
+        for group in requests:
             rank = min(alive, key=lambda r: self.gen_load[r])
-            self.gen_load[rank] += len(group)
-            for s in group:
-                self.sample_owner[s.key] = rank
-                self.sample_stage[s.key] = stage
-            per_rank.setdefault(rank, []).extend(group)
-        for rank, samples in per_rank.items():
-            self.mailbox.send(rank, GenerateRequest(samples, {"max_new_tokens": stage.max_new_tokens} | (sampling or {})))
+            self.gen_load[rank] += len(group.sample_indices)
+            for key in group.keys:
+                self.sample_owner[key] = rank
+            per_rank.setdefault(rank, []).append(group)
+        for rank, groups in per_rank.items():
+            self.mailbox.send(rank, GenerateRequest(groups))
 
     def on_generator_lost(self, rank: int) -> bool:
-        """A generator died: issue its samples to the live ones. False when none is left."""
+        """A generator died: issue its samples to the live ones (under the stage now in force). False
+        when none is left."""
         self.dead_generators.add(rank)
         lost = [key for key, owner in self.sample_owner.items() if owner == rank]
         for key in lost:
             del self.sample_owner[key]
-            self.sample_stage.pop(key, None)
         if not self.alive_generators():
             return False
-        again = [r for g, i in lost if g in self.prompt_ids for r in self._requests(g, [i])]
-        evals = [r for r in again if self.evaluation.owns(r.group_id)]
-        self._issue([r for r in again if not self.evaluation.owns(r.group_id)])
-        if evals:
-            self._issue(evals, self._eval_sampling())
+        self._issue(self._requests([(g, i) for g, i in lost if g in self.prompt_ids]))
         return True
 
     # ================================================================== collecting and grading
@@ -139,18 +199,15 @@ class RolloutFlow:
         for r in report.rollouts:
             if self.sample_owner.pop(r.key, None) is None:
                 continue  # a duplicate of a sample already re-issued and answered
-            stage = self.sample_stage.pop(r.key)
             self.gen_load[rank] = max(0, self.gen_load[rank] - 1)
-            # an evaluation sample (its own group id namespace) or a training group's
-            group = self.budget.groups.get(r.group_id)
-            problem = self.evaluation.problem(r.group_id) if self.evaluation.owns(r.group_id) else \
-                group.problem if group is not None else None
+            problem = self.groups_of(r.group_id).problem(r.group_id)
             if problem is None:
                 continue
-            r.max_new_tokens, r.l_max, r.l_cache = stage.max_new_tokens, stage.l_max, stage.l_cache
-            items.append(self.ledger.add(r, GradeItem(r.key, problem.task,
-                                                      self.template.assistant_prefix + r.text,
-                                                      len(r.completion_ids), l_max=r.l_max, l_cache=r.l_cache)))
+            if r.stage is None:
+                raise RunFailed(f"generator rank {rank} sent rollout {r.group_id}/{r.sample_index} without the "
+                                f"length stage it was requested under")
+            items.append(self.ledger.add(r, GradeItem(r.key, problem.task, self.template.assistant_prefix + r.text,
+                                                      len(r.completion_ids), r.stage)))
         if items:
             self._submit_grades(items)
 
@@ -189,39 +246,16 @@ class RolloutFlow:
         else:
             self._resend_overdue()
 
-    def on_graded(self, results: list[tuple[Key, dict]], rank: int | None = None) -> None:
-        """Verdicts (from verifier `rank`, or the controller's pool) go to the budget; a failed grading is
-        graded again or, given up on, drops its group."""
+    def on_graded(self, results: list[tuple[Key, RewardBreakdown]], rank: int | None = None) -> None:
+        """Verdicts (from verifier `rank`, or the controller's pool) go where their group belongs; a failed
+        grading is graded again or, given up on, drops its group."""
         if rank is not None:
             self.verifiers.answered(rank, [key for key, _ in results])
         settled, again = self.ledger.settle(results, self.log.window)
         if again:
             self._submit_grades(again)
         for rollout, failed in settled:
-            if self.evaluation.owns(rollout.group_id):  # never the budget's, nor the window's rewards
-                self.evaluation.record(rollout, failed)
-                continue
-            group = self.budget.groups.get(rollout.group_id)
-            if failed:
-                fate = self.budget.add_failed(rollout.group_id, rollout.sample_index)
-            else:
-                self.log.window.graded.append(rollout)
-                fate = self.budget.add_graded(rollout)
-            if fate is not None and group is not None:
-                self._on_group_done(group, fate)
-
-    def _on_group_done(self, group: PendingGroup, fate: str) -> None:
-        rollouts = group.rollouts.values()
-        pass_rate = None  # a group with a sample nobody could grade says nothing about its problem
-        if fate != "grading_failed":
-            pass_rate = sum(r.reward_components.get("correct", 0.0) for r in rollouts) / len(group.rollouts)
-            self.queue.record(group.problem.problem_id, pass_rate)
-        self.prompt_ids.pop(group.group_id, None)
-        # every sample's fate: graded (a verdict) or failed (grading given up on), by index
-        self.log.group_done({"group_id": group.group_id, "problem_id": group.problem.problem_id, "fate": fate,
-                             "pass_rate": pass_rate, "rewards": [r.reward for r in rollouts],
-                             "graded": sorted(group.rollouts), "failed": sorted(group.failed),
-                             "update": self.updates_done()})
+            self.groups_of(rollout.group_id).settle(rollout, failed)
 
     # ================================================================== state
     def state_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Magistral's reward composition for one response: format gate -> 0.1 -> +0.9 correct ->
 overlong penalty -> +0.1 language consistency. Every number comes from RewardConfig, except the
-penalty window a caller may override per response (the length stage it was generated under).
+penalty window a caller may override per response (`stage`: the length stage it was generated under).
 A code answer whose program could not be run (no sandbox) gets status "sandbox_unavailable" and no
 verdict, never ``correct=False``: an environment fault must not read as a wrong answer.
 
@@ -14,11 +14,11 @@ import inspect
 import time
 from typing import Any
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config import LengthStage, RewardConfig
 from megatron_rl.reward.format import FormatResult, check_format
 from megatron_rl.reward.language import check_consistency, policy_for
 from megatron_rl.reward.length import estimate_tokens, overlong_penalty
-from megatron_rl.reward.types import CodeTask, MathTask, RewardBreakdown, Task, parse_task
+from megatron_rl.reward.types import CodeTask, GradeStatus, MathTask, RewardBreakdown, Task, parse_task
 
 # RewardConfig field -> names run_tests may call that limit (the first one it accepts is used).
 _CODE_LIMITS = {
@@ -61,10 +61,17 @@ def _grade_code(task: CodeTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[b
     return bool(result.passed), details
 
 
-def penalty_window(cfg: RewardConfig, l_max: int | None = None, l_cache: int | None = None) -> tuple[int, int]:
-    """The (l_max, l_cache) of the overlong penalty: the overrides where given, else the config's.
-    A null config l_max means "the generation cap", which only the caller knows: it must pass l_max.
-    An l_cache taken from the config is clamped to l_max."""
+def penalty_window(cfg: RewardConfig, l_max: int | None = None, l_cache: int | None = None, *,
+                   stage: LengthStage | None = None) -> tuple[int, int]:
+    """The (l_max, l_cache) of the overlong penalty: the length stage's window when a `stage` is given
+    (the stage the response was generated under, resolved by the config: used as is), else the
+    overrides where given, else the config's. A null config l_max means "the generation cap", which
+    only the caller knows: it must pass l_max (or the stage). An l_cache taken from the config is
+    clamped to l_max."""
+    if stage is not None:
+        if l_max is not None or l_cache is not None:
+            raise ValueError("give the penalty window as a length stage or as l_max / l_cache, not both")
+        l_max, l_cache = stage.l_max, stage.l_cache
     if l_max is None:
         l_max = cfg.l_max
         if l_max is None:
@@ -90,11 +97,11 @@ def check_response_args(response: Any, num_tokens: Any) -> None:
 
 def builtin_score(task: dict | Task, response: str, config: RewardConfig | None = None,
                   num_tokens: int | None = None, *, l_max: int | None = None,
-                  l_cache: int | None = None) -> RewardBreakdown:
+                  l_cache: int | None = None, stage: LengthStage | None = None) -> RewardBreakdown:
     """The built-in reward (Magistral's composition), whatever reward.custom says."""
     start = time.perf_counter()
     cfg = config if config is not None else RewardConfig()
-    window = penalty_window(cfg, l_max, l_cache)
+    window = penalty_window(cfg, l_max, l_cache, stage=stage)
     parsed = parse_task(task)
     check_response_args(response, num_tokens)
     estimated = num_tokens is None
@@ -109,7 +116,7 @@ def builtin_score(task: dict | Task, response: str, config: RewardConfig | None 
     grade = _grade_code if isinstance(parsed, CodeTask) else _grade_math
     correct, details = grade(parsed, fmt, cfg)
     if "sandbox_error" in details:  # no verdict: total 0 here is not a reward (RewardBreakdown.status)
-        return RewardBreakdown(format_ok=True, status="sandbox_unavailable", error=details.pop("sandbox_error"),
+        return RewardBreakdown(format_ok=True, status=GradeStatus.SANDBOX_UNAVAILABLE, error=details.pop("sandbox_error"),
                                num_tokens=n_tok, num_tokens_estimated=estimated, details=details,
                                elapsed_s=time.perf_counter() - start)
     penalty = overlong_penalty(n_tok, *window, cfg.overlong_penalty)

@@ -28,18 +28,17 @@ import importlib.util
 import inspect
 import math
 import traceback
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from megatron_rl.reward.types import RewardBreakdown, Status
+from megatron_rl.reward.types import GradeStatus, RewardBreakdown
 
 if TYPE_CHECKING:
     from megatron_rl.config import RewardConfig
 
 ENTRY_POINT_GROUP = "megatron_rl.rewards"
-_STATUSES = typing.get_args(Status)
+_STATUSES = tuple(GradeStatus)
 
 
 class RewardPluginError(ValueError):
@@ -143,8 +142,9 @@ def _checked(spec: str, out: Any) -> RewardBreakdown:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise bad(f"{name}={value!r} (not a finite number)")
         setattr(out, name, float(value))
-    if out.status not in _STATUSES:
+    if out.status not in _STATUSES:  # set after construction (RewardBreakdown checks it when built)
         raise bad(f"status={out.status!r} (known: {', '.join(_STATUSES)})")
+    out.status = GradeStatus(out.status)
     if not isinstance(out.details, dict):
         raise bad(f"details of type {type(out.details).__name__} (not a dict)")
     return out

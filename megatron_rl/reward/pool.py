@@ -29,10 +29,11 @@ from typing import Any, Callable, Iterable, Sequence
 from megatron_rl.config import RewardConfig
 from megatron_rl.reward.compose import penalty_window
 from megatron_rl.reward.grade import score
-from megatron_rl.reward.types import RewardBreakdown, TaskError, parse_task
+from megatron_rl.reward.types import GradeStatus, RewardBreakdown, ScoreItem, TaskError, parse_task
 
-# fn(task, response, config, num_tokens[, l_max=, l_cache=]) -> RewardBreakdown; the keywords are
-# passed only for items that carry their own overlong-penalty window (a length stage's).
+# fn(task, response, config, num_tokens[, stage= | l_max=, l_cache=]) -> RewardBreakdown; the keywords
+# are passed only for items that carry their own overlong-penalty window: a ScoreItem's length stage,
+# or a dict item's l_max / l_cache.
 GradeFn = Callable[..., RewardBreakdown]
 
 
@@ -111,18 +112,21 @@ class _Worker:
         self.conn.close()
 
 
-def _normalise(item: Any, index: int, config: RewardConfig) -> tuple[Any, str, int | None, dict[str, int]]:
-    window: dict[str, int] = {}
-    if isinstance(item, dict):
+def _normalise(item: Any, index: int, config: RewardConfig) -> tuple[Any, str, int | None, dict[str, Any]]:
+    window: dict[str, Any] = {}
+    if isinstance(item, ScoreItem):
+        task, response, num_tokens = item.task, item.response, item.num_tokens
+        window = {} if item.stage is None else {"stage": item.stage}
+    elif isinstance(item, dict):
         task, response, num_tokens = item.get("task"), item.get("response"), item.get("num_tokens")
         window = {k: item[k] for k in ("l_max", "l_cache") if item.get(k) is not None}
     elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
         task, response, num_tokens = item[0], item[1], item[2] if len(item) == 3 else None
     else:
-        raise TaskError(f"item {index}: expected (task, response[, num_tokens]) or a dict with those keys "
-                        f"(plus optional l_max, l_cache)")
+        raise TaskError(f"item {index}: expected a ScoreItem, (task, response[, num_tokens]) or a dict with "
+                        f"those keys (plus optional l_max, l_cache)")
     try:  # a missing or bad window is the caller's bug: fail the call, not the item
-        penalty_window(config, window.get("l_max"), window.get("l_cache"))
+        penalty_window(config, **window)
     except ValueError as e:
         raise TaskError(f"item {index}: {e}") from None
     try:
@@ -219,8 +223,9 @@ class VerifierPool:
 
     # ---------------------------------------------------------------- grading
     def map(self, items: Iterable[Any]) -> list[RewardBreakdown]:
-        """Grade items ((task, response[, num_tokens]) or dicts, which may add the overlong-penalty
-        window ``l_max`` / ``l_cache`` of the item's length stage); results in input order."""
+        """Grade items (ScoreItem, whose `stage` is the length stage the response was generated under;
+        (task, response[, num_tokens]); or dicts, which may add the overlong-penalty window ``l_max`` /
+        ``l_cache``); results in input order."""
         batch = [_normalise(item, i, self.config) for i, item in enumerate(items)]
         self.start()
         start, restarts0 = time.perf_counter(), self.restarts
@@ -251,7 +256,7 @@ class VerifierPool:
             for w in list(self._workers):
                 if w.item is not None and now >= w.deadline:
                     results[w.item] = RewardBreakdown(
-                        status="timeout", elapsed_s=self.item_timeout_s,
+                        status=GradeStatus.TIMEOUT, elapsed_s=self.item_timeout_s,
                         error=f"grading exceeded the per-item limit of {self.item_timeout_s:g} s")
                     done += 1
                     self._replace(w)
@@ -270,7 +275,7 @@ class VerifierPool:
                 if index != w.item:  # a late answer for an item already decided: ignore
                     return 0
                 w.item = None
-                results[index] = result if error is None else RewardBreakdown(status="error", error=error)
+                results[index] = result if error is None else RewardBreakdown(status=GradeStatus.ERROR, error=error)
                 return 1
         except (EOFError, OSError):
             pass
@@ -284,7 +289,7 @@ class VerifierPool:
             queue.appendleft(index)  # re-issue the item to the next idle worker
             return 0
         results[index] = RewardBreakdown(
-            status="crash", error=f"verifier worker died (exit code {code}) on all {attempts[index]} attempts")
+            status=GradeStatus.CRASH, error=f"verifier worker died (exit code {code}) on all {attempts[index]} attempts")
         return 1
 
     @staticmethod

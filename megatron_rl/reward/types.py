@@ -25,7 +25,10 @@ absent or empty, only thoughts and answer are compared), ``id`` and ``source`` (
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
+
+from megatron_rl.config import LengthStage
 
 CODE_LANGUAGES = ("python", "cpp")
 _COMMON_OPTIONAL = {"problem", "id", "source", "meta"}
@@ -52,9 +55,31 @@ class CodeTask:
 
 Task = MathTask | CodeTask
 
-# status of an item: "ok" = graded (correct or not); anything else = what stopped the grading.
-Status = Literal["ok", "timeout", "crash", "error", "sandbox_unavailable"]
-GRADING_FAILURES = ("timeout", "crash", "error", "sandbox_unavailable")
+class GradeStatus(StrEnum):
+    """What became of grading one item: OK = graded (a verdict, correct or not); every other status
+    names what stopped the grading, and the item has no verdict. A StrEnum: it compares equal to, and
+    is written (metric keys, JSON) as, its value."""
+
+    OK = "ok"
+    TIMEOUT = "timeout"  # the verifier pool's per-item limit
+    CRASH = "crash"  # the grading process died on every attempt
+    ERROR = "error"  # the grading function raised
+    SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # score: the code sandbox could not run the program
+
+
+GRADING_FAILURES = tuple(s for s in GradeStatus if s is not GradeStatus.OK)
+
+
+@dataclass(frozen=True)
+class ScoreItem:
+    """One response for the verifier pool (`VerifierPool.map`), typed. `stage`: the length stage it was
+    generated under, whose overlong-penalty window (`l_max`, `l_cache`) grades it; None: the config's
+    window (reward.l_max / l_cache)."""
+
+    task: dict[str, Any] | Task
+    response: str
+    num_tokens: int | None = None
+    stage: LengthStage | None = None
 
 
 @dataclass
@@ -75,29 +100,31 @@ class RewardBreakdown:
     length_penalty: float = 0.0  # <= 0
     language_ok: bool | None = False
     total: float = 0.0
-    status: Status = "ok"
+    status: GradeStatus = GradeStatus.OK
     num_tokens: int = 0  # response length the length penalty used
     num_tokens_estimated: bool = False  # True when estimated from characters (no num_tokens given)
     elapsed_s: float = 0.0  # wall time spent grading this item
     error: str = ""
     details: dict[str, Any] = field(default_factory=dict)  # e.g. code status, n_passed, languages
 
+    def __post_init__(self) -> None:
+        self.status = GradeStatus(self.status)  # a plain string (a plug-in's) becomes the enum; unknown: ValueError
+
     @property
     def grading_failed(self) -> bool:
         """True when no verdict exists (status other than "ok"): such an item must not be trained on."""
-        return self.status != "ok"
+        return self.status is not GradeStatus.OK
+
+    def components(self) -> dict[str, float]:
+        """The numeric components a rollout carries into the metrics (`reward/<name>`, `COMPONENTS`);
+        an unchecked language (None) is left out."""
+        return {k: float(getattr(self, k)) for k in COMPONENTS if getattr(self, k) is not None}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 COMPONENTS = ("format_ok", "correct", "length_penalty", "language_ok")
-
-
-def reward_components(breakdown: dict[str, Any]) -> dict[str, float]:
-    """The numeric components of a breakdown (its to_dict form, as graded items travel) that a
-    rollout carries into the metrics (`reward/<name>`); an unchecked language (None) is left out."""
-    return {k: float(breakdown[k]) for k in COMPONENTS if breakdown.get(k) is not None}
 
 
 def _str_field(task: dict, key: str, default: str = "") -> str:

@@ -1,7 +1,9 @@
 """Generator worker: owns one SGLang server, samples G completions per prompt, streams `Rollout`s.
 
-- `submit(group_id, prompt_ids)` queues G samples (one SGLang request each, so each completion
-  is streamed as soon as it finishes; the G requests share the prompt's prefix in the radix cache).
+- `submit_group(records.GroupRequest)` queues the group's samples (one SGLang request each, so each
+  completion is streamed as soon as it finishes; the requests share the prompt's prefix in the radix
+  cache), capped by the group's length stage, which each of its rollouts carries back
+  (`Rollout.stage`); `submit(group_id, prompt_ids, ...)` is the same for a group built on the spot.
 - `get(timeout)` / `completions()` yield finished `Rollout`s with token ids, per-token behaviour
   logprobs (log_softmax(logits / T), as SGLang reports them) and per-token weight versions.
 - `begin_update()` / `finish_update(version)` bracket an in-flight weight update: pause
@@ -22,6 +24,7 @@ server may still answer /health while hung): `get()` raises the client's `Genera
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
 from megatron_rl.config import GeneratorConfig, RolloutConfig
-from megatron_rl.records import Rollout, SampleRequest
+from megatron_rl.records import GroupRequest, Rollout
 from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
 from megatron_rl.rollout.outputs import parse_version, scoring_temperature, to_rollout
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
@@ -39,9 +42,10 @@ from megatron_rl.rollout.server import SGLangServer
 
 
 class GeneratorDied(RuntimeError):
-    """The server died and was not (or could not be) restarted. `unfinished` can be re-submitted."""
+    """The server died and was not (or could not be) restarted. `unfinished` (the samples not
+    delivered, by group) can be re-submitted."""
 
-    def __init__(self, msg: str, unfinished: list[SampleRequest]):
+    def __init__(self, msg: str, unfinished: list[GroupRequest]):
         super().__init__(msg)
         self.unfinished = unfinished
 
@@ -52,9 +56,11 @@ class WeightUpdateError(RuntimeError):
 
 @dataclass
 class Sample:
-    """One pending completion: the request, its sampling parameters and its attempts on the server."""
+    """One pending completion: sample `index` of `group` (the request it came in), its sampling
+    parameters and its attempts on the server."""
 
-    request: SampleRequest
+    group: GroupRequest
+    index: int
     sampling: dict[str, Any]
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     attempts: int = 0
@@ -138,19 +144,25 @@ class Generator:
     def submit(self, group_id: str, prompt_ids: list[int], group_size: int | None = None,
                sampling: dict[str, Any] | None = None, sample_indices: list[int] | None = None) -> list[str]:
         """Queue G samples of one prompt (or exactly `sample_indices`, e.g. to re-issue part of a
-        group); returns their request ids."""
+        group), with no length stage; returns their request ids."""
+        g = self.rollout.group_size if group_size is None else group_size
+        if g < 1:
+            raise ValueError(f"group_size must be >= 1, got {g}")
+        indices = list(range(g)) if sample_indices is None else list(sample_indices)
+        return self.submit_group(GroupRequest(group_id, list(prompt_ids or []), indices, sampling=dict(sampling or {})))
+
+    def submit_group(self, group: GroupRequest) -> list[str]:
+        """Queue the samples of `group` as it came (its stage's cap, then its sampling overrides, over
+        the configured sampling); returns their request ids."""
         if self._closed:
             raise RuntimeError("generator is closed")
         if self._dead is not None:
             raise self._dead
-        g = self.rollout.group_size if group_size is None else group_size
-        if g < 1:
-            raise ValueError(f"group_size must be >= 1, got {g}")
+        prompt_ids = group.prompt_ids
         if not prompt_ids or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
-            raise ValueError(f"prompt_ids must be a non-empty list of token ids (group {group_id})")
-        sp = self.sampling_params(sampling)
-        indices = list(range(g)) if sample_indices is None else list(sample_indices)
-        samples = [Sample(SampleRequest(group_id, i, list(prompt_ids)), sp) for i in indices]
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids (group {group.group_id})")
+        sp = self.sampling_params(group.sampling_overrides())
+        samples = [Sample(group, i, sp) for i in group.sample_indices]
         for s in samples:
             self._issue(s)
         return [s.rid for s in samples]
@@ -164,7 +176,7 @@ class Generator:
         try:
             self._send_gate.wait()
             incarnation = self.server.incarnation
-            body = {"input_ids": s.request.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
+            body = {"input_ids": s.group.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
                     "rid": f"{s.rid}-{s.attempts}", "cache_salt": self.cache.salt()}
             s.attempts += 1
             s.streamed = 0  # a re-issued sample streams from its first token again
@@ -173,9 +185,9 @@ class Generator:
             except ServerUnreachable as e:
                 self._on_unreachable(s, incarnation, e)
                 return
-            r = to_rollout(out, group_id=s.request.group_id, sample_index=s.request.sample_index,
-                           prompt_ids=s.request.prompt_ids, generator_id=self.generator_id,
-                           temperature=scoring_temperature(s.sampling))
+            r = to_rollout(out, group_id=s.group.group_id, sample_index=s.index, prompt_ids=s.group.prompt_ids,
+                           generator_id=self.generator_id, temperature=scoring_temperature(s.sampling),
+                           stage=s.group.stage)
             # queued before it leaves _pending: in_flight == 0 with an empty queue means all delivered
             self._out.put(r)
             with self._lock:
@@ -245,8 +257,12 @@ class Generator:
 
     def _die(self, msg: str) -> None:
         with self._lock:
-            unfinished = [s.request for s in self._pending.values()]
+            pending = list(self._pending.values())
             self._pending.clear()
+        by_group: dict[str, list[Sample]] = {}
+        for s in pending:
+            by_group.setdefault(s.group.group_id, []).append(s)
+        unfinished = [dataclasses.replace(ss[0].group, sample_indices=[s.index for s in ss]) for ss in by_group.values()]
         self._dead = GeneratorDied(msg, unfinished)
         self._out.put(self._dead)
 

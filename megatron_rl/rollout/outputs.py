@@ -1,8 +1,10 @@
-"""Turn one SGLang /generate answer into a `Rollout`: tokens, behaviour logprobs, versions per token."""
+"""Turn one SGLang /generate answer into a `Rollout`: tokens, behaviour logprobs, versions per token,
+and the length stage it was requested under (a single-turn sample: every token is the model's, no loss mask)."""
 from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl.config import LengthStage
 from megatron_rl.records import FinishReason, Rollout
 
 
@@ -50,7 +52,7 @@ def finish_reason(meta: dict) -> FinishReason:
 
 
 def to_rollout(out: dict, *, group_id: str, sample_index: int, prompt_ids: list[int],
-               generator_id: int, temperature: float = 1.0) -> Rollout:
+               generator_id: int, temperature: float = 1.0, stage: LengthStage | None = None) -> Rollout:
     meta = out.get("meta_info") or {}
     ids = out.get("output_ids")
     if ids is None:
@@ -67,7 +69,8 @@ def to_rollout(out: dict, *, group_id: str, sample_index: int, prompt_ids: list[
     return Rollout(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
                    completion_ids=list(ids), behaviour_logprobs=[float(x[0]) for x in lps],
                    weight_versions=versions, finish_reason=finish_reason(meta),
-                   text=out.get("text", ""), generator_id=generator_id, temperature=float(temperature))
+                   text=out.get("text", ""), generator_id=generator_id, temperature=float(temperature),
+                   stage=stage)
 
 
 def scoring_temperature(sampling: dict) -> float:

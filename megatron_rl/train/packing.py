@@ -14,8 +14,10 @@ order: Megatron's load balancing, the THD partitioning that Transformer Engine's
 Megatron's THD RoPE expect (`cu_seqlens` stay those of the whole row).
 
 Label alignment: the logit at position t predicts token t+1, so a completion token at index k of
-its sequence (k >= prompt_len) is scored at position k-1. `loss_mask` marks those positions;
-`behaviour_logprobs` and `advantages` are placed there as well. The last token of each sequence
+its sequence (k >= prompt_len) is scored at position k-1. `loss_mask` marks those positions (of an
+episode, only its model-sampled tokens: `TrainSequence.loss_mask`; environment tokens are context
+and carry no loss, no behaviour logprob and no version); `behaviour_logprobs` and `advantages` are
+placed there as well. The last token of each sequence
 predicts nothing inside the bin (its label is masked), so sequences never leak into each other.
 """
 from __future__ import annotations
@@ -85,7 +87,7 @@ class PackedMicroBatch:
     tokens: torch.Tensor  # long
     position_ids: torch.Tensor  # long, restart at 0 for each sequence
     labels: torch.Tensor  # long, next token (0 where loss_mask is 0)
-    loss_mask: torch.Tensor  # float32, 1 at positions whose label is a completion token
+    loss_mask: torch.Tensor  # float32, 1 at positions whose label is a model-sampled completion token
     behaviour_logprobs: torch.Tensor  # float32, aligned with labels
     advantages: torch.Tensor  # float32, aligned with labels
     segment_ids: torch.Tensor  # long [T]: index of the sequence in the bin; padding is its own segment
@@ -235,11 +237,13 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         pad_mask[start:start + n] = False
         labels[start:start + n - 1] = ids[1:]
         # completion token k (p <= k < n) is predicted at position k-1
-        loss_mask[start + p - 1:start + n - 1] = 1.0
-        blp[start + p - 1:start + n - 1] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-        adv[start + p - 1:start + n - 1] = float(advantages[i])
+        own = torch.ones(n - p) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        loss_mask[start + p - 1:start + n - 1] = own
+        blp[start + p - 1:start + n - 1] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * own
+        adv[start + p - 1:start + n - 1] = float(advantages[i]) * own
         if s.weight_versions:
-            versions[start + p - 1:start + n - 1] = torch.tensor(s.weight_versions, dtype=torch.long)
+            sampled = torch.tensor(s.weight_versions, dtype=torch.long)
+            versions[start + p - 1:start + n - 1] = torch.where(own > 0, sampled, -1)
         padded = _round_up(n, seq_multiple)  # CP: the segment's own pad tokens follow it (no loss)
         position_ids[start:start + padded] = torch.arange(padded)
         segment_ids[start:start + padded] = j

@@ -100,7 +100,7 @@ def minibatch_advantages(seqs: Sequence[TrainSequence], algo: AlgoConfig,
     adv = torch.tensor([s.advantage for s in seqs] if values is None else list(values), dtype=torch.float64)
     if algo.adv_norm != "minibatch":  # `group` is done by the controller when grouping; `none` is none
         return adv.tolist()
-    lengths = torch.tensor([s.completion_len for s in seqs])
+    lengths = torch.tensor([s.n_loss_tokens for s in seqs])  # token weights: the tokens that carry loss
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     return normalize(adv, mask, mode="minibatch", weighting=algo.adv_norm_weighting).tolist()
 
@@ -355,7 +355,7 @@ def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMiniba
     prepared = seqs if isinstance(seqs, PreparedMinibatch) else prepare_minibatch(model, seqs, ctx, objective)
     seqs, packed = prepared.seqs, prepared.packed
     if objective == "rl" and ctx.algo.kl_mode == "k2":
-        n_tok = sum(s.completion_len for s in seqs)
+        n_tok = sum(s.n_loss_tokens for s in seqs)
         ctx = dataclasses.replace(ctx, kl_weight=ctx.algo.kl_coef * n_tok / len(seqs))
     if not forward_only:
         for chunk in model:

@@ -6,6 +6,7 @@ pass@1 / pass@k per kind and language equal to an enumeration over subsets, ungr
 counted apart, and a round unfinished at a checkpoint is re-run after resume and written once."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -18,6 +19,7 @@ from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.metrics import METRICS_FILE, Progress, read_jsonl
 from megatron_rl.control.protocol import Graded, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout
+from megatron_rl.reward.types import RewardBreakdown
 from support.control import CharTokenizer, PickleComm
 
 K, N_ASYNC, G = 3, 8, 2
@@ -29,9 +31,9 @@ EVAL = [Problem("e-math-en", "What is 2 + 2?", {"kind": "math", "answer": "4"}, 
         Problem("e-unused", "Not evaluated (eval_max_problems).", {"kind": "math", "answer": "0"}, "en")]
 # the verdict each eval sample gets: problem index -> per sample (C correct, W wrong, X grading crashed)
 SCRIPT = {0: "CWW", 1: "CCX", 2: "WXX"}
-BREAKDOWN = {"C": {"status": "ok", "total": 1.0, "correct": 1.0, "format_ok": 1.0},
-             "W": {"status": "ok", "total": 0.0, "correct": 0.0, "format_ok": 1.0},
-             "X": {"status": "crash", "total": 0.0, "correct": 0.0, "format_ok": 0.0, "error": "worker died"}}
+BREAKDOWN = {"C": RewardBreakdown(status="ok", total=1.0, correct=True, format_ok=True),
+             "W": RewardBreakdown(status="ok", total=0.0, correct=False, format_ok=True),
+             "X": RewardBreakdown(status="crash", total=0.0, correct=False, format_ok=False, error="worker died")}
 
 
 def _controller(tmp_path) -> tuple[Controller, PickleComm]:
@@ -50,13 +52,14 @@ def _generate(ctrl: Controller, comm: PickleComm, version: int) -> list[Rollout]
     """Answer every GenerateRequest sent as its generator would, one report per generator."""
     by_rank: dict[int, list[Rollout]] = {}
     for rank, request in comm.take(Tag.GENERATE):
-        for s in request.samples:
-            if is_eval_group(s.group_id):
-                text = SCRIPT[int(s.group_id.rsplit("/", 1)[1])][s.sample_index]
-            else:
-                text = "CW"[s.sample_index % 2]  # a diverse group
-            by_rank.setdefault(rank, []).append(Rollout(s.group_id, s.sample_index, s.prompt_ids, [7, 8], [-0.5, -0.5],
-                                                        [version, version], "stop", text=text))
+        for g in request.groups:
+            for i in g.sample_indices:
+                if is_eval_group(g.group_id):
+                    text = SCRIPT[int(g.group_id.rsplit("/", 1)[1])][i]
+                else:
+                    text = "CW"[i % 2]  # a diverse group
+                by_rank.setdefault(rank, []).append(Rollout(g.group_id, i, g.prompt_ids, [7, 8], [-0.5, -0.5],
+                                                            [version, version], "stop", text=text, stage=g.stage))
     for rank, rollouts in by_rank.items():
         ctrl._dispatch(rank, RolloutsReport(rollouts, 0.0, 0.0))
     return [r for rs in by_rank.values() for r in rs]
@@ -70,12 +73,17 @@ def _grade_all(ctrl: Controller, comm: PickleComm) -> None:
             return
         for rank, request in requests:
             verdict = {it.key: BREAKDOWN[it.response[-1]] for it in request.items}
-            ctrl._dispatch(rank, Graded([(key, dict(b, length_penalty=0.0, language_ok=1.0))
+            ctrl._dispatch(rank, Graded([(key, dataclasses.replace(b, length_penalty=0.0, language_ok=True))
                                          for key, b in verdict.items()]))
 
 
 def _generate_requests(comm: PickleComm):
     return [m for _, tag, m in comm.sent if tag == Tag.GENERATE]
+
+
+def _sample_keys(request) -> list[tuple[str, int]]:
+    """(group id, sample index) of every sample a GenerateRequest asks for."""
+    return [key for g in request.groups for key in g.keys]
 
 
 def _finish_update(ctrl: Controller, update: int) -> None:
@@ -102,14 +110,14 @@ def _reference(indices: list[int]) -> dict[str, float]:
 def test_eval_samples_never_reach_the_budget_and_training_in_flight_is_all_graded(tmp_path):
     ctrl, comm = _controller(tmp_path)
     ctrl.flow.fill()  # training samples in flight before the update
-    train_keys = {s.key for m in _generate_requests(comm) for s in m.samples}
+    train_keys = {k for m in _generate_requests(comm) for k in _sample_keys(m)}
     assert len(train_keys) == N_ASYNC
 
     _finish_update(ctrl, 1)
     assert not read_jsonl(tmp_path / METRICS_FILE)  # update 1's line waits for its round
     assert ctrl.flow.evaluation.active
-    issued = [(m.sampling, s.key) for m in _generate_requests(comm) if any(is_eval_group(s.group_id) for s in m.samples)
-              for s in m.samples]
+    issued = [(g.sampling_overrides(), k) for m in _generate_requests(comm) for g in m.groups
+              if is_eval_group(g.group_id) for k in g.keys]
     assert sorted(k for _, k in issued) == [(f"eval@1/{i}", j) for i in range(3) for j in range(K)]  # problems x k
     assert all(sp["temperature"] == 0.6 for sp, _ in issued)
 
@@ -147,7 +155,7 @@ def test_eval_samples_never_reach_the_budget_and_training_in_flight_is_all_grade
 def test_a_round_unfinished_at_a_checkpoint_is_re_run_after_resume_and_written_once(tmp_path):
     ctrl, comm = _controller(tmp_path)
     _finish_update(ctrl, 1)
-    first = sorted(s.key for _, m in comm.take(Tag.GENERATE) for s in m.samples)
+    first = sorted(k for _, m in comm.take(Tag.GENERATE) for k in _sample_keys(m))
     state = json.loads(json.dumps(ctrl.state_dict()))  # a stop during the round: the checkpoint holds it
     ctrl.shutdown()
 
@@ -160,7 +168,7 @@ def test_a_round_unfinished_at_a_checkpoint_is_re_run_after_resume_and_written_o
     assert not comm2.take(Tag.GENERATE)
     resumed.sync.push_needed = False  # the push finished: the round starts again, under the evaluated weights
     resumed._after_update(Progress(4, 1))
-    assert sorted(s.key for m in _generate_requests(comm2) for s in m.samples) == first
+    assert sorted(k for m in _generate_requests(comm2) for k in _sample_keys(m)) == first
     _generate(resumed, comm2, version=1)
     _grade_all(resumed, comm2)
     resumed._finish_eval(Progress(4, 1))
@@ -189,14 +197,13 @@ def test_a_dead_generators_eval_samples_go_to_a_live_one_with_the_eval_sampling(
     ctrl.flow.fill()
     _finish_update(ctrl, 1)
     sent = comm.take(Tag.GENERATE)
-    dead = next(rank for rank, m in sent if any(is_eval_group(s.group_id) for s in m.samples))
-    lost = sorted(s.key for rank, m in sent if rank == dead for s in m.samples)
+    dead = next(rank for rank, m in sent if any(is_eval_group(g.group_id) for g in m.groups))
+    lost = sorted(k for rank, m in sent if rank == dead for k in _sample_keys(m))
     assert ctrl.flow.on_generator_lost(dead)
     again = comm.take(Tag.GENERATE)
     assert {rank for rank, _ in again} == {r for r in ctrl.layout.generator_ranks if r != dead}
-    assert sorted(s.key for _, m in again for s in m.samples) == lost
+    assert sorted(k for _, m in again for k in _sample_keys(m)) == lost
     for _, m in again:
-        kinds = {is_eval_group(s.group_id) for s in m.samples}
-        assert len(kinds) == 1  # eval and training samples never share a request (their sampling differs)
-        assert (m.sampling.get("temperature") == 0.6) == kinds.pop()
+        for g in m.groups:  # each group carries its own sampling: eval and training ones never mix
+            assert (g.sampling_overrides().get("temperature") == 0.6) == is_eval_group(g.group_id)
     ctrl.shutdown()

@@ -14,6 +14,7 @@ from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from megatron_rl.control.protocol import (Graded, Loaded, RolloutsReport, RunFailed, Tag, WorkerFailure)
 from megatron_rl.control.verifiers import VerifierRanks, reply_timeout_s
 from megatron_rl.records import Problem, Rollout
+from megatron_rl.reward.types import RewardBreakdown
 from support.control import CharTokenizer, PickleComm
 
 G = 2
@@ -35,16 +36,16 @@ def _generate(ctrl: Controller, comm: PickleComm) -> list[tuple[int, list]]:
     """Fill, answer every sample from the generator, return the grading requests sent (rank, items)."""
     ctrl.flow.fill()
     gen = ctrl.layout.generator_ranks[0]
-    samples = [s for _, request in comm.take(Tag.GENERATE) for s in request.samples]
-    rollouts = [Rollout(s.group_id, s.sample_index, s.prompt_ids, [5, 6], [-0.1, -0.2], [0, 0], "stop",
-                        text=f"answer {s.sample_index}") for s in samples]
+    groups = [g for _, request in comm.take(Tag.GENERATE) for g in request.groups]
+    rollouts = [Rollout(g.group_id, i, g.prompt_ids, [5, 6], [-0.1, -0.2], [0, 0], "stop",
+                        text=f"answer {i}", stage=g.stage) for g in groups for i in g.sample_indices]
     ctrl._dispatch(gen, RolloutsReport(rollouts, 0.0, 0.0))
     return [(rank, request.items) for rank, request in comm.take(Tag.GRADE)]
 
 
 def _verdicts(items, correct: float = 1.0) -> Graded:
-    return Graded([(it.key, {"status": "ok", "total": correct, "format_ok": 1.0, "correct": correct,
-                             "length_penalty": 0.0, "language_ok": 1.0}) for it in items])
+    return Graded([(it.key, RewardBreakdown(total=correct, format_ok=True, correct=bool(correct),
+                                            length_penalty=0.0, language_ok=True)) for it in items])
 
 
 def test_a_hung_verifier_ranks_items_go_to_a_live_one_and_its_late_answer_counts_once(tmp_path, capsys):

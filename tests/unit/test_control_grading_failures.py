@@ -23,6 +23,7 @@ from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, UpdateWindow,
 from megatron_rl.control.protocol import GradeItem, RolloutsReport, Tag
 from megatron_rl.records import Problem, Rollout
 from megatron_rl.reward import VerifierPool, score
+from megatron_rl.reward.types import RewardBreakdown
 from support.control import CharTokenizer, PickleComm, grade_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -69,10 +70,10 @@ def _generate(ctrl: Controller, comm: PickleComm, text_for) -> list[Rollout]:
     ctrl.flow.fill()
     rollouts = []
     for _, request in comm.take(Tag.GENERATE):
-        for s in request.samples:
-            problem = ctrl.flow.budget.groups[s.group_id].problem
-            rollouts.append(Rollout(s.group_id, s.sample_index, s.prompt_ids, [7] * 10, [-0.5] * 10, [0] * 10,
-                                    "stop", text=text_for(problem, s.sample_index)))
+        for g in request.groups:
+            problem = ctrl.flow.budget.groups[g.group_id].problem
+            rollouts += [Rollout(g.group_id, i, g.prompt_ids, [7] * 10, [-0.5] * 10, [0] * 10, "stop",
+                                 text=text_for(problem, i), stage=g.stage) for i in g.sample_indices]
     ctrl.flow.on_rollouts(GEN_RANK, RolloutsReport(rollouts, 0.0, 0.0))
     return rollouts
 
@@ -131,9 +132,9 @@ def test_ledger_regrades_then_gives_up_and_fails_the_run_when_nothing_grades():
     ledger = GradingLedger(regrade_attempts=2, give_up_after=2)
     rollouts = [_rollout("g#1", i) for i in range(3)]
     items = [ledger.add(r, GradeItem(("g#1", i), MATH, "x", 3)) for i, r in enumerate(rollouts)]
-    timeout = {"status": "timeout", "error": "grading exceeded\nthe limit", "total": 0.0}
-    verdict = {"status": "ok", "total": 0.7, "format_ok": True, "correct": True, "length_penalty": -0.3,
-               "language_ok": False}
+    timeout = RewardBreakdown(status="timeout", error="grading exceeded\nthe limit", total=0.0)
+    verdict = RewardBreakdown(status="ok", total=0.7, format_ok=True, correct=True, length_penalty=-0.3,
+                              language_ok=False)
     for attempt in range(2):  # sample 0: failed and sent again twice
         assert ledger.settle([(["g#1", 0], timeout)], window) == ([], [items[0]])
     assert ledger.settle([(("g#1", 1), verdict)], window) == ([(rollouts[1], False)], [])

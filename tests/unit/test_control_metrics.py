@@ -67,7 +67,7 @@ def test_language_ok_is_logged_only_where_the_language_is_checked(language_check
     for rollout, response in zip(rollouts, (good, "no think, no box")):
         breakdown = score(task, response, cfg, num_tokens=20)
         assert breakdown.language_ok is (breakdown.format_ok if language_check else None)
-        apply_verdict(rollout, breakdown.to_dict())
+        apply_verdict(rollout, breakdown)
     row = UpdateWindow(graded=rollouts).summary(trainer_version=1, train_metrics={})
     assert row["reward/format_ok"] == 0.5 and row["reward/correct"] == 0.5
     if language_check:

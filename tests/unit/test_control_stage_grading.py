@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_rl.config import config_from_dict
+from megatron_rl.config import LengthStage, config_from_dict
 from megatron_rl.control.controller import Controller
 from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
@@ -50,18 +50,20 @@ def _controller(tmp_path, verifiers: int) -> tuple[Controller, PickleComm]:
 def _issue_one_group(ctrl: Controller, comm: PickleComm) -> GenerateRequest:
     ctrl.flow.fill()
     ((dest, request),) = comm.take(Tag.GENERATE)
-    assert dest == GEN_RANK and len(request.samples) == 2
+    assert dest == GEN_RANK and sum(len(g.sample_indices) for g in request.groups) == 2
     return request
 
 
 def _generate(request: GenerateRequest, lengths: list[int]) -> RolloutsReport:
     """What a generator would send back: completions of the given token counts (within the cap)."""
     rollouts = []
-    for spec, n in zip(request.samples, lengths):
-        assert n <= request.sampling["max_new_tokens"]
-        finish = "length" if n == request.sampling["max_new_tokens"] else "stop"
-        rollouts.append(Rollout(spec.group_id, spec.sample_index, spec.prompt_ids, list(range(5, 5 + n)),
-                                [-0.5] * n, [0] * n, finish, text=ANSWER))
+    samples = [(g, i) for g in request.groups for i in g.sample_indices]
+    for (g, i), n in zip(samples, lengths):
+        cap = g.sampling_overrides()["max_new_tokens"]
+        assert n <= cap
+        finish = "length" if n == cap else "stop"
+        rollouts.append(Rollout(g.group_id, i, g.prompt_ids, list(range(5, 5 + n)), [-0.5] * n, [0] * n, finish,
+                                text=ANSWER, stage=g.stage))  # the stage comes back on the rollout
     return RolloutsReport(rollouts, 0.0, 0.0)
 
 
@@ -71,7 +73,7 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
     pool = VerifierPool(ctrl.cfg.reward).start() if verifiers else None
     try:
         request_a = _issue_one_group(ctrl, comm)
-        assert request_a.sampling["max_new_tokens"] == 40
+        assert [g.sampling_overrides()["max_new_tokens"] for g in request_a.groups] == [40]
 
         # The trainer finishes update 1 (stage B from now on) before these samples come back.
         ctrl._on_trained(TrainReport(1, {}))
@@ -82,7 +84,7 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
         grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.flow.ledger.pending for k in keys))
         graded_a = report.rollouts  # the controller updated these records in place
         for r, n in zip(graded_a, [30, 40]):
-            assert (r.max_new_tokens, r.l_max, r.l_cache) == (40, 40, 16)
+            assert (r.stage.max_new_tokens, r.stage.l_max, r.stage.l_cache) == (40, 40, 16)
             # stage A: ramp from 24 to 40 tokens (stage B's window would give 0 for both lengths)
             assert r.reward_components["length_penalty"] == pytest.approx(closed_form(n, 40, 16), abs=1e-12)
             assert r.reward == pytest.approx(1.0 + closed_form(n, 40, 16), abs=1e-12)
@@ -97,19 +99,19 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
 
         # A group issued after the switch is requested and graded under stage B.
         request_b = _issue_one_group(ctrl, comm)
-        assert request_b.sampling["max_new_tokens"] == 80
+        assert [g.sampling_overrides()["max_new_tokens"] for g in request_b.groups] == [80]
         report = _generate(request_b, [30, 70])
         ctrl.flow.on_rollouts(GEN_RANK, report)
         keys = [(r.group_id, r.sample_index) for r in report.rollouts]
         grade_until(ctrl, comm, pool, lambda: not any(k in ctrl.flow.ledger.pending for k in keys))
         for r, n in zip(report.rollouts, [30, 70]):
-            assert (r.max_new_tokens, r.l_max, r.l_cache) == (80, 80, 20)
+            assert (r.stage.max_new_tokens, r.stage.l_max, r.stage.l_cache) == (80, 80, 20)
             assert r.reward_components["length_penalty"] == pytest.approx(closed_form(n, 80, 20), abs=1e-12)
-        assert not ctrl.flow.sample_stage  # nothing left in flight
+        assert not ctrl.flow.sample_owner  # nothing left in flight
 
         # Checkpointed rollouts keep their stage (JSON, like the controller state in a checkpoint).
         again = Rollout.from_dict(json.loads(json.dumps(graded_a[0].to_dict())))
-        assert (again.max_new_tokens, again.l_max, again.l_cache) == (40, 40, 16)
+        assert (again.stage.max_new_tokens, again.stage.l_max, again.stage.l_cache) == (40, 40, 16)
     finally:
         ctrl.shutdown()
         if pool is not None:
@@ -118,6 +120,17 @@ def test_rollout_keeps_the_stage_it_was_requested_under(tmp_path, verifiers):
 
 def test_rollouts_from_older_checkpoints_load_without_a_stage():
     r = Rollout("g", 0, [1], [2], [-0.1], [0], "stop", reward=0.5)
-    old = {k: v for k, v in r.to_dict().items() if k not in ("max_new_tokens", "l_max", "l_cache")}
+    old = {k: v for k, v in r.to_dict().items() if k not in ("stage", "loss_mask")}
     loaded = Rollout.from_dict(old)
-    assert loaded == r and loaded.l_max is None
+    assert loaded == r and loaded.stage is None
+
+
+def test_rollouts_of_the_previous_checkpoint_format_keep_their_stage():
+    """Before `Rollout.stage`, a checkpointed rollout kept the stage's cap and window as three keys."""
+    r = Rollout("g", 0, [1], [2], [-0.1], [0], "stop", reward=0.5)
+    old = {k: v for k, v in r.to_dict().items() if k not in ("stage", "loss_mask")}
+    loaded = Rollout.from_dict(old | {"max_new_tokens": 40, "l_max": 40, "l_cache": 16})
+    assert loaded.stage == LengthStage(0, 40, 40, 16) and loaded.loss_mask is None
+    assert Rollout.from_dict(old | {"max_new_tokens": None, "l_max": None, "l_cache": None}).stage is None
+    again = Rollout.from_dict(json.loads(json.dumps(loaded.to_dict())))
+    assert again == loaded

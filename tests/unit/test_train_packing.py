@@ -86,6 +86,24 @@ def test_row_layout_labels_masks_and_values():
     assert mb.n_loss_tokens == sum(s.completion_len for s in seqs)
 
 
+def test_an_episodes_environment_tokens_carry_no_loss_logprob_advantage_or_version():
+    """A two-turn episode (records.TrainSequence.loss_mask): its environment tokens are context only."""
+    ep = TrainSequence(token_ids=list(range(10, 18)), prompt_len=2, behaviour_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
+                       advantage=0.5, weight_versions=[3, 3, -1, -1, 4, 4], loss_mask=[1, 1, 0, 0, 1, 1])
+    mb = pack_sequences([ep, _seq(1, 2, start=40, adv=-1.0)], capacity=16).micro_batches[0]
+    # completion tokens at 2..7 are predicted at positions 1..6; the environment's (4, 5) at 3, 4
+    assert mb.loss_mask[0].tolist()[:8] == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert mb.advantages[0, :8].tolist() == [0, 0.5, 0.5, 0, 0, 0.5, 0.5, 0]
+    assert mb.behaviour_logprobs[0, :8].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, -0.3, -0.4, 0])
+    assert mb.weight_versions[0, :8].tolist() == [-1, 3, 3, -1, -1, 4, 4, -1]
+    assert mb.tokens[0, :8].tolist() == ep.token_ids  # environment tokens stay in the context
+    assert mb.n_loss_tokens == ep.n_loss_tokens + 2 == 6
+    with pytest.raises(ValueError, match="loss mask of 5"):
+        TrainSequence(list(range(8)), 2, [0.0] * 6, 1.0, loss_mask=[1] * 5)
+    with pytest.raises(ValueError, match="no model-sampled"):
+        TrainSequence(list(range(8)), 2, [0.0] * 6, 1.0, loss_mask=[0] * 6)
+
+
 def test_attention_mask_is_block_diagonal_causal_with_padding_segment():
     seqs = [_seq(1, 2), _seq(2, 1)]
     mb = pack_sequences(seqs, capacity=16, pad_multiple=8).micro_batches[0]

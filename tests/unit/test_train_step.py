@@ -196,6 +196,51 @@ def test_bf16_step_matches_fp32_reference_with_bf16_logits(tiny_llama_dir, monke
     assert ok and grad_norm == pytest.approx(ref["grad_norm"], rel=1e-2)
 
 
+def test_environment_tokens_of_an_episode_get_no_gradient(tiny_llama_dir):
+    """Episodes (records.TrainSequence.loss_mask): the step equals the HF reference whose loss, token
+    normaliser and advantage weights count the model's tokens only, and the environment tokens'
+    placeholder logprobs can be anything: a masked token gets no gradient."""
+    from megatron_rl.train.step import forward_backward
+    from megatron_rl.train.trainer import Trainer
+
+    hf = hf_model(tiny_llama_dir)
+    seqs = []
+    for s in make_minibatch(hf):  # every completion of >= 3 tokens: its middle token(s) are the environment's
+        c = s.completion_len
+        mask = [1] + [0] * ((c - 1) // 2) + [1] * (c - 1 - (c - 1) // 2)
+        seqs.append(dataclasses.replace(s, loss_mask=mask))
+    assert all(0 < s.n_loss_tokens < s.completion_len for s in seqs)
+
+    hf.zero_grad()
+    weights = torch.tensor([s.n_loss_tokens for s in seqs], dtype=torch.float64)
+    adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float64)
+    mean = (adv * weights).sum() / weights.sum()
+    adv_n = ((adv - mean) / ((((adv - mean) ** 2) * weights).sum() / weights.sum()).sqrt()).float()
+    total = 0.0
+    for s, a in zip(seqs, adv_n):
+        keep = torch.tensor(s.loss_mask, dtype=torch.bool)
+        r = torch.exp(hf_completion_logprobs(hf, s) - torch.tensor(s.behaviour_logprobs))[keep]
+        total = total + (-torch.minimum(r * a, r.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * a)).sum() / weights.sum()
+    total.backward()
+
+    trainer = Trainer(make_config(tiny_llama_dir))
+    params = dict(trainer.model_chunks[0].named_parameters())
+    grads = []
+    for placeholder in (0.0, 5.0):  # what an environment token's "behaviour logprob" holds does not matter
+        episode = [dataclasses.replace(s, behaviour_logprobs=[lp if m else placeholder for lp, m in
+                                                              zip(s.behaviour_logprobs, s.loss_mask)]) for s in seqs]
+        trainer.optimizer.zero_grad()
+        out = forward_backward(trainer.model, episode, trainer.ctx)
+        grads.append({k: params[k].main_grad.detach().clone() for k in SAME_LAYOUT})
+        assert out.metrics["n_loss_tokens"] == sum(s.n_loss_tokens for s in seqs)
+    rtol = network_error(transformer_matmuls(2), 384)
+    assert out.metrics["loss"] == pytest.approx(float(total), rel=rtol, abs=rtol * 1e-1)
+    for meg, hf_name in SAME_LAYOUT.items():
+        torch.testing.assert_close(grads[0][meg], hf.get_parameter(hf_name).grad, rtol=rtol, atol=rtol * 1e-2,
+                                   msg=lambda m: f"{meg}: {m}")
+        torch.testing.assert_close(grads[1][meg], grads[0][meg], rtol=0, atol=0)
+
+
 def test_rl_steps_raise_logprob_of_positive_sequences(tiny_llama_dir):
     """A few updates: rewarded (A > 0) completions become likelier, penalised ones less likely."""
     from megatron_rl.train.trainer import Trainer

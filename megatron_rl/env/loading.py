@@ -1,0 +1,120 @@
+"""Finding an environment class by name, as ``reward.custom`` finds a reward function. Four forms:
+
+- ``"python"``, ``"single_turn"``, ``"echo"``: the built-ins (:data:`BUILTINS`);
+- ``"my_pkg.envs:Calculator"``: a module importable on every generator rank, and its class;
+- ``"path/to/envs.py:Calculator"``: a Python file (relative paths from the working directory);
+- ``"calculator"``: an entry point of the group ``megatron_rl.environments`` of an installed package
+  (``[project.entry-points."megatron_rl.environments"] calculator = "my_pkg.envs:Calculator"``).
+
+What loads is a class with ``reset``, ``step`` and ``close`` (subclassing
+:class:`megatron_rl.env.base.Environment` is optional). Anything else is an :class:`EnvLoadError`
+with a one-line message that starts with the config key the caller names (``key``, e.g.
+``"env.name"``), so the user knows which setting to fix. Files are loaded with ``reward.custom``'s
+helper (one loader for every plug-in).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+from typing import Any
+
+from megatron_rl.env.base import Environment
+from megatron_rl.env.python_tool import PythonTool
+from megatron_rl.env.scripted import Echo
+from megatron_rl.env.single_turn import SingleTurn
+from megatron_rl.reward.custom import RewardPluginError, _from_file
+
+ENTRY_POINT_GROUP = "megatron_rl.environments"
+BUILTINS: dict[str, type] = {"python": PythonTool, "single_turn": SingleTurn, "echo": Echo}
+_METHODS = ("reset", "step", "close")
+
+
+class EnvLoadError(ValueError):
+    """An environment cannot be loaded or made; the message names the config key and is one line."""
+
+
+class _Why(Exception):
+    """Why a spec does not load, without the key (added by the public functions)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _from_entry_point(name: str) -> Any:
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in found:
+        if ep.name == name:
+            return ep.load()
+    installed = sorted({ep.name for ep in found})
+    raise _Why(f"no built-in {name!r} ({', '.join(sorted(BUILTINS))}) and no entry point {name!r} in "
+               f"group {ENTRY_POINT_GROUP} (installed: {', '.join(installed) or 'none'}); "
+               f"use 'module:Class' or 'file.py:Class'")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(spec: str) -> type:
+    try:
+        if ":" not in spec:
+            name = spec.strip()
+            obj = BUILTINS[name] if name in BUILTINS else _from_entry_point(name)
+        else:
+            where, name = (part.strip() for part in spec.rsplit(":", 1))
+            is_file = where.endswith(".py") or "/" in where
+            module = _from_file(where) if is_file else importlib.import_module(where)
+            if not hasattr(module, name):
+                raise _Why(f"{where} has no class {name!r}")
+            obj = getattr(module, name)
+    except _Why:
+        raise
+    except RewardPluginError as e:  # the file loader's own reasons (not found, not Python)
+        raise _Why(str(e)) from None
+    except Exception as e:  # ImportError, SyntaxError, or whatever the module's import raised
+        raise _Why(f"cannot load it: {type(e).__name__}: {e}") from None
+    if not inspect.isclass(obj):
+        raise _Why(f"is not an environment: a {type(obj).__name__}, not a class with "
+                   f"{', '.join(_METHODS)} (megatron_rl.env.base.Environment)")
+    missing = [m for m in _METHODS if not callable(getattr(obj, m, None))]
+    if missing:
+        raise _Why(f"is not an environment: class {obj.__name__} has no {', '.join(missing)} "
+                   f"(see megatron_rl.env.base.Environment)")
+    if issubclass(obj, Environment) and any(getattr(obj, m) is getattr(Environment, m) for m in ("reset", "step")):
+        raise _Why(f"is not an environment: class {obj.__name__} does not implement reset and step")
+    return obj
+
+
+def load_environment(spec: str, key: str = "env.name") -> type:
+    """The environment class ``spec`` names (cached per process); EnvLoadError naming ``key``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise EnvLoadError(f"{key}: expected an environment name, 'module:Class' or 'file.py:Class', got {spec!r}")
+    try:
+        return _load(spec)
+    except _Why as e:
+        raise EnvLoadError(_one_line(f"{key}: {spec!r} {e}" if str(e).startswith("is not")
+                                     else f"{key}: {spec!r}: {e}")) from None
+
+
+def make_environment(spec: str, kwargs: dict[str, Any] | None = None, key: str = "env.name",
+                     args_key: str = "env.args") -> Any:
+    """A new environment of ``spec`` made with ``kwargs`` (one per episode). Arguments the class does
+    not take are an EnvLoadError naming ``args_key``; what its constructor raises propagates."""
+    cls = load_environment(spec, key)
+    kwargs = dict(kwargs or {})
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise EnvLoadError(_one_line(f"{args_key}: {spec!r} does not take {sorted(kwargs)}: {e}")) from None
+    except ValueError:  # no signature to read: let the call decide
+        pass
+    return cls(**kwargs)
+
+
+def environment_error(spec: str, key: str = "env.name") -> str | None:
+    """Why ``spec`` cannot be loaded (the EnvLoadError's line), or None. For config validation."""
+    try:
+        load_environment(spec, key)
+    except EnvLoadError as e:
+        return str(e)
+    return None

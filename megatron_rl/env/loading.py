@@ -15,8 +15,6 @@ helper (one loader for every plug-in).
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.metadata
 import inspect
 from typing import Any
 
@@ -24,7 +22,7 @@ from megatron_rl.env.base import Environment
 from megatron_rl.env.python_tool import PythonTool
 from megatron_rl.env.scripted import Echo
 from megatron_rl.env.single_turn import SingleTurn
-from megatron_rl.reward.custom import RewardPluginError, _from_file
+from megatron_rl.plugins import PluginNotFound, find
 
 ENTRY_POINT_GROUP = "megatron_rl.environments"
 BUILTINS: dict[str, type] = {"python": PythonTool, "single_turn": SingleTurn, "echo": Echo}
@@ -43,34 +41,14 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _from_entry_point(name: str) -> Any:
-    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    for ep in found:
-        if ep.name == name:
-            return ep.load()
-    installed = sorted({ep.name for ep in found})
-    raise _Why(f"no built-in {name!r} ({', '.join(sorted(BUILTINS))}) and no entry point {name!r} in "
-               f"group {ENTRY_POINT_GROUP} (installed: {', '.join(installed) or 'none'}); "
-               f"use 'module:Class' or 'file.py:Class'")
-
-
 @functools.lru_cache(maxsize=None)
 def _load(spec: str) -> type:
     try:
-        if ":" not in spec:
-            name = spec.strip()
-            obj = BUILTINS[name] if name in BUILTINS else _from_entry_point(name)
-        else:
-            where, name = (part.strip() for part in spec.rsplit(":", 1))
-            is_file = where.endswith(".py") or "/" in where
-            module = _from_file(where) if is_file else importlib.import_module(where)
-            if not hasattr(module, name):
-                raise _Why(f"{where} has no class {name!r}")
-            obj = getattr(module, name)
-    except _Why:
-        raise
-    except RewardPluginError as e:  # the file loader's own reasons (not found, not Python)
-        raise _Why(str(e)) from None
+        obj = BUILTINS.get(spec.strip()) or find(spec, ENTRY_POINT_GROUP, "class")
+    except PluginNotFound as e:
+        builtins = f"no built-in {spec.strip()!r} ({', '.join(sorted(BUILTINS))}) and " if ":" not in spec else ""
+        hint = "; use 'module:Class' or 'file.py:Class'" if ":" not in spec else ""
+        raise _Why(f"{builtins}{e}{hint}") from None
     except Exception as e:  # ImportError, SyntaxError, or whatever the module's import raised
         raise _Why(f"cannot load it: {type(e).__name__}: {e}") from None
     if not inspect.isclass(obj):

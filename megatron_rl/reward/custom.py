@@ -21,10 +21,6 @@ hang handling as the built-in verifiers (a hung plug-in gets status "timeout", a
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.metadata
-import importlib.util
 import inspect
 import math
 import traceback
@@ -32,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from megatron_rl.plugins import PluginNotFound, find
 from megatron_rl.reward.types import GradeStatus, RewardBreakdown
 
 if TYPE_CHECKING:
@@ -65,44 +62,14 @@ class RewardContext:
                              l_max=self.l_max, l_cache=self.l_cache)
 
 
-def _from_file(path_text: str) -> Any:
-    path = Path(path_text).expanduser().resolve()
-    if not path.is_file():
-        raise RewardPluginError(f"file {path_text!r} not found (relative paths start at {Path.cwd()})")
-    name = "megatron_rl_reward_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise RewardPluginError(f"{path_text!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _from_entry_point(name: str) -> Callable:
-    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    for ep in found:
-        if ep.name == name:
-            return ep.load()
-    known = sorted({ep.name for ep in found})
-    raise RewardPluginError(f"no entry point {name!r} in group {ENTRY_POINT_GROUP} (installed: "
-                            f"{', '.join(known) or 'none'}); use 'module:function' or 'file.py:function'")
-
-
 @functools.lru_cache(maxsize=None)
 def load_reward_fn(spec: str) -> Callable:
     """The plug-in function of `spec` (cached per process); RewardPluginError naming reward.custom."""
     try:
-        if ":" not in spec:
-            fn = _from_entry_point(spec.strip())
-        else:
-            where, name = (part.strip() for part in spec.rsplit(":", 1))
-            is_file = where.endswith(".py") or "/" in where
-            module = _from_file(where) if is_file else importlib.import_module(where)
-            if not hasattr(module, name):
-                raise RewardPluginError(f"{where} has no function {name!r}")
-            fn = getattr(module, name)
-    except RewardPluginError as e:
-        raise RewardPluginError(f"reward.custom {spec!r}: {e}") from None
+        fn = find(spec, ENTRY_POINT_GROUP, "function")
+    except PluginNotFound as e:
+        hint = "" if ":" in spec else "; use 'module:function' or 'file.py:function'"
+        raise RewardPluginError(f"reward.custom {spec!r}: {e}{hint}") from None
     except Exception as e:  # ImportError, SyntaxError, or whatever the plug-in's import raised
         raise RewardPluginError(f"reward.custom {spec!r}: cannot load it: {type(e).__name__}: {e}") from None
     if not callable(fn):

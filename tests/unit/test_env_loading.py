@@ -119,10 +119,6 @@ def test_empty_name_and_arguments_the_class_does_not_take():
         make_environment("echo", {"turns": 0})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reward.custom._from_file runs the file without registering it in sys.modules, so a dataclass "
-    "under `from __future__ import annotations` fails to build; fix it there (register the module "
-    "before exec_module), then remove this marker"))
 def test_file_form_with_a_dataclass(tmp_path):
     (tmp_path / "dc_envs.py").write_text(textwrap.dedent('''
         from __future__ import annotations

@@ -120,7 +120,7 @@ mods = ["megatron.core", "sglang"] + (["transformer_engine.pytorch"] if sys.argv
 for m in mods:
     importlib.import_module(m)
 import megatron_rl
-from megatron_rl.control.srun import mpi_library, pmi_plugin
+from megatron_rl.plan.srun import mpi_library, pmi_plugin
 from megatron_rl.ops import build, require_extension
 require_extension(cuda=True)
 library = mpi_library()  # the gpu extra's mpich, unless MPI4PY_LIBMPI names the site's

@@ -58,7 +58,7 @@ def gpu_libraries() -> dict:
 def collect() -> dict:
     import torch
 
-    from megatron_rl.control.srun import mpi_library
+    from megatron_rl.plan.srun import mpi_library
     from megatron_rl.platform import ensure_megatron_shims
 
     versions = {name: _version(name) for name in PACKAGES}
@@ -80,7 +80,7 @@ def _sandbox_line(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_rl.control.srun import pmi_plugin
+    from megatron_rl.plan.srun import pmi_plugin
 
     info = collect()
     if args.json:

@@ -5,7 +5,7 @@ task count for srun / mpiexec. Exit status: 0 the run can work, 1 bad input (fil
 
 `--print-tasks` prints only the task count and `--print-hostfile` only the hostfile (one host per
 rank, in rank order), so launch scripts take both from here and cannot disagree with the config;
-`--print-srun-mpi` only srun's PMI plugin for the MPI library this environment loads (control/srun.py).
+`--print-srun-mpi` only srun's PMI plugin for the MPI library this environment loads (plan/srun.py).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.plan.placement import PlacementError, check_run, default_hosts, notes, place, table
-    from megatron_rl.control.srun import mpi_library, pmi_plugin
+    from megatron_rl.plan.srun import mpi_library, pmi_plugin
     from megatron_rl.plan.estimate import Cluster, estimate, shapes_of
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else None

@@ -229,13 +229,13 @@ def test_sbatch_scripts_name_srun_s_pmi_plugin_and_strict_kernels(name, tmp_path
     ("MPI VERSION : CRAY MPICH version 8.1.29", "cray_shasta"), ("Intel(R) MPI Library 2021.13", "pmi2"),
     ("MVAPICH2 Version 2.3.7", "pmi2"), ("Some MPI 1.0", "pmi2"), (None, "pmi2")])
 def test_srun_pmi_plugin_follows_the_mpi_library(library, plugin):
-    from megatron_rl.control.srun import pmi_plugin
+    from megatron_rl.plan.srun import pmi_plugin
 
     assert pmi_plugin(library)[0] == plugin
 
 
 def test_plan_and_doctor_name_the_pmi_plugin_this_environment_needs(monkeypatch, capsys):
-    from megatron_rl.control import srun
+    from megatron_rl.plan import srun
 
     assert srun.mpi_library().startswith("MPICH Version: 5.0.2")  # the cpu extra's mpich wheel, not initialised
     monkeypatch.setattr(srun, "mpi_library", lambda: "Open MPI v5.0.3")

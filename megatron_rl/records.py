@@ -74,6 +74,7 @@ class GroupRequest:
     sample_indices: list[int]
     stage: LengthStage | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    task: dict[str, Any] = field(default_factory=dict)  # the problem's task: each episode's environment starts on it
 
     def __post_init__(self) -> None:
         if not self.sample_indices or len(set(self.sample_indices)) != len(self.sample_indices):
@@ -90,6 +91,29 @@ class GroupRequest:
         return cap | self.sampling
 
 
+EpisodeStop = Literal["done", "max_turns", "max_tokens", "abort", "env_error"]
+
+
+@dataclass
+class EpisodeReport:
+    """How an episode went (megatron_rl.rollout.episode): its turns, why it ended, what its tools did,
+    and the environment's own verdict when it gave one. A single-turn sample is a one-turn episode."""
+
+    turns: int = 1  # model turns sampled
+    stop: EpisodeStop = "done"  # done: the environment ended it; max_turns / max_tokens: a cap did
+    env_tokens: int = 0  # environment tokens in the completion (loss_mask 0)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_s: float = 0.0  # wall time of the environment's steps
+    prompt_tokens: int = 0  # input tokens of every turn's request, summed
+    cached_tokens: int = 0  # of those, served from the prefix cache
+    # The environment's own reward (None: the final turn is graded by the verifiers) and its verdict.
+    reward: float | None = None
+    correct: bool | None = None
+    error: str | None = None  # the environment failed (one line): the episode is never trained
+
+
 @dataclass
 class Rollout:
     """One sampled completion (an episode) with everything the loss needs, token by token."""
@@ -101,7 +125,7 @@ class Rollout:
     behaviour_logprobs: list[float]  # logprob the generator reported for each completion token
     weight_versions: list[int]  # policy version that produced each completion token
     finish_reason: FinishReason
-    text: str = ""  # decoded completion
+    text: str = ""  # decoded completion: of an episode, its final model turn (what is graded)
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)  # RewardBreakdown.components()
     generator_id: int = 0
@@ -112,6 +136,7 @@ class Rollout:
     temperature: float = 1.0
     # 1 = model-sampled, 0 = environment token (module docstring); None: every token is the model's.
     loss_mask: list[int] | None = None
+    episode: EpisodeReport = field(default_factory=EpisodeReport)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -150,6 +175,8 @@ class Rollout:
             data["stage"] = LengthStage(**data["stage"])
         elif None not in old:  # the stage's start was not kept then: only its cap and window matter
             data["stage"] = LengthStage(0, *old)
+        if isinstance(data.get("episode"), dict):
+            data["episode"] = EpisodeReport(**data["episode"])
         return cls(**data)
 
 

@@ -4,7 +4,7 @@
 Loaded from YAML (`load_config(path, overrides)`) with dotted CLI overrides such as
 `algo.eps_high=0.26`. Unknown keys and invalid values raise `ConfigError` naming the dotted key,
 so a typo never silently falls back to a default. Defaults are Magistral's recipe. One module per
-section (algo, reward, rollout, generator, trainer, data, run); `tree` builds and coerces the typed
+section (algo, reward, rollout, generator, trainer, data, env, run); `tree` builds and coerces the typed
 tree, `file` reads YAML with key line numbers, `length_stages` resolves rollout.length_schedule.
 Checks that must run code (a plug-in imports, a template exists) are pre-flight's
 (megatron_rl.control.preflight), not validation's.
@@ -20,6 +20,7 @@ import yaml
 
 from megatron_rl.config.algo import AlgoConfig
 from megatron_rl.config.data import DataConfig
+from megatron_rl.config.env import EnvConfig
 from megatron_rl.config.file import locate_error, read_config_file
 from megatron_rl.config.generator import GeneratorConfig
 from megatron_rl.config.length_stages import LengthStage, check_length_penalty, length_stages, stage_at
@@ -29,7 +30,7 @@ from megatron_rl.config.run import RunConfig
 from megatron_rl.config.trainer import TrainerConfig
 from megatron_rl.config.tree import ConfigError, apply_override, build, check
 
-__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "GeneratorConfig", "LengthStage", "RewardConfig",
+__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "EnvConfig", "GeneratorConfig", "LengthStage", "RewardConfig",
            "RolloutConfig", "RunConfig", "TrainerConfig", "config_from_dict", "dump_config", "length_stages",
            "load_config", "load_config_args", "stage_at"]
 
@@ -42,6 +43,7 @@ class Config:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self, key: str = "") -> None:

@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 from megatron_rl.config import Config
+from megatron_rl.control.episodes import episode_setup
 from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, PauseForUpdate, RolloutsReport, Stop,
                                           WorkerFailure)
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.generator_side import answer, status_of
+from megatron_rl.train.hf_source import resolve_model
 
 
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
@@ -33,9 +35,10 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
     """`host`: this rank's node address; the server listens there and the controller and trainers
     reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus)."""
     spec = server_spec(cfg, index, model_dir, run_dir, port, host, gpus)
-    gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index)
     rank = mailbox.rank
     try:
+        gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,
+                        episodes=episode_setup(cfg, resolve_model(model_dir).tokenizer()))
         _check_gpus(gpus, rank)
         gen.start()
     except Exception as e:

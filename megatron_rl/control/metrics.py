@@ -63,6 +63,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def episode_stats(rollouts: list[Rollout]) -> dict[str, float | None]:
+    """Turns, tools, why episodes stopped, the environment's share of the completion tokens and the
+    prefix cache's share of the prompt tokens (every turn's request), over graded episodes."""
+    if not rollouts:
+        return {}
+    n, eps = len(rollouts), [r.episode for r in rollouts]
+    prompt = sum(e.prompt_tokens for e in eps)
+    tokens = sum(len(r.completion_ids) for r in rollouts)
+    row: dict[str, float | None] = {
+        "episode/turns": sum(e.turns for e in eps) / n, "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
+        "episode/tool_errors": sum(e.tool_errors for e in eps), "episode/tool_timeouts": sum(e.tool_timeouts for e in eps),
+        "episode/tool_s": sum(e.tool_s for e in eps) / n,
+        "episode/env_token_frac": sum(e.env_tokens for e in eps) / tokens if tokens else 0.0,
+        "episode/cached_prefix_frac": sum(e.cached_tokens for e in eps) / prompt if prompt else None}
+    for stop in sorted({e.stop for e in eps}):
+        row[f"episode/stop/{stop}"] = sum(e.stop == stop for e in eps) / n
+    return row
+
+
 def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str, float]:
     """Reward components, pass rate, lengths and staleness of graded rollouts."""
     rs = list(rollouts)
@@ -125,6 +144,7 @@ class UpdateWindow:
     graded: list[Rollout] = field(default_factory=list)  # verdicts only: failed gradings are not rewards
     grading_failed: Counter = field(default_factory=Counter)  # failed grading attempts by status
     regraded: int = 0  # of those, how many were sent to be graded again
+    env_failed: int = 0  # episodes whose environment failed (their groups dropped)
     gen_idle_s: float = 0.0
     gen_busy_s: float = 0.0
     trainer_idle_s: float = 0.0
@@ -139,6 +159,8 @@ class UpdateWindow:
         row["grading/failed"] = sum(self.grading_failed.values())
         row.update({f"grading/failed/{status}": n for status, n in sorted(self.grading_failed.items())})
         row["grading/regraded"] = self.regraded
+        row.update(episode_stats(self.graded))
+        row["episode/env_failed"] = self.env_failed
         row.update({k if k.startswith(MISMATCH_PREFIX) else f"train/{k}": v
                     for k, v in train_values(train_metrics).items()})
         gen_total = self.gen_idle_s + self.gen_busy_s

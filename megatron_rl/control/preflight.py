@@ -31,15 +31,23 @@ def code_languages(cfg: Config) -> list[str]:
 
 
 def check_config(cfg: Config) -> None:
-    """ConfigError naming the key when reward.custom cannot be loaded here, or data.system_prompt is no
-    known template (nor text) or data.system_prompt_file cannot be read."""
+    """ConfigError naming the key when reward.custom or env.name cannot be loaded here, env.args do not
+    fit the environment, or data.system_prompt is no known template (nor text) or data.system_prompt_file
+    cannot be read."""
     from megatron_rl.data.prompts import get_template
+    from megatron_rl.env import EnvLoadError, make_environment
     from megatron_rl.reward.custom import plugin_error
 
     if cfg.reward.custom is not None:  # load it now: a typo fails before launch, naming the key
         why = plugin_error(cfg.reward.custom)
         if why is not None:
             raise ConfigError(f"reward.custom: {why}")
+    try:  # one environment made and closed: its class loads and takes env.args
+        make_environment(cfg.env.name, cfg.env.args).close()
+    except EnvLoadError as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # the constructor's own check of its arguments
+        raise ConfigError(f"env.args: {cfg.env.name} refused them: {type(e).__name__}: {e}") from None
     try:
         get_template(cfg.data)
     except ValueError as e:

@@ -25,14 +25,16 @@ from typing import Any, Callable, Protocol
 from megatron_rl.config import Config, LengthStage, length_stages, stage_at
 from megatron_rl.control.budget import GroupOutcome, PendingGroup, RolloutBudget
 from megatron_rl.control.evaluation import Evaluation, is_eval_group
-from megatron_rl.control.grading import GradingLedger, LocalGrader
+from megatron_rl.control.episodes import prompt_template
+from megatron_rl.control.grading import GradingLedger, LocalGrader, apply_verdict
 from megatron_rl.plan.layout import RankLayout
 from megatron_rl.control.mailbox import Mailbox
 from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.control.protocol import Cause, GenerateRequest, GradeItem, GradeRequest, Key, RolloutsReport, RunFailed
 from megatron_rl.control.run_log import RunLog
 from megatron_rl.control.verifiers import VerifierRanks
-from megatron_rl.data.prompts import get_template, render_prompt_ids
+from megatron_rl.data.prompts import render_prompt_ids
+from megatron_rl.env import own_reward
 from megatron_rl.records import GroupRequest, Problem, Rollout
 from megatron_rl.reward.types import RewardBreakdown
 
@@ -94,7 +96,10 @@ class RolloutFlow:
         self.updates_done = updates_done  # the trainer updates so far: the length stage in force
         self.budget = RolloutBudget(cfg.rollout, cfg.algo)
         self.queue = ProblemQueue(problems, cfg.data.seed, cfg.data.drop_solved_above)
-        self.template = get_template(cfg.data)  # system prompt (name, text or file) and chat-template kwargs
+        # system prompt (name, text or file), chat-template kwargs and the environment's tools
+        self.template = prompt_template(cfg)
+        self.max_env_failures = cfg.env.max_consecutive_failures
+        self.env_failures_in_a_row = 0
         self.length_stages = length_stages(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
                                            cfg.reward)
         self.gen_load: dict[int, int] = {r: 0 for r in layout.generator_ranks}  # samples out per generator
@@ -152,8 +157,10 @@ class RolloutFlow:
 
     def _request(self, group_id: str, indices) -> GroupRequest:
         """Samples `indices` of a group, under the stage in force and the sampling of its kind."""
-        return GroupRequest(group_id, self.prompt_ids[group_id], list(indices), self.stage(),
-                            dict(self.groups_of(group_id).sampling))
+        groups = self.groups_of(group_id)
+        problem = groups.problem(group_id)
+        return GroupRequest(group_id, self.prompt_ids[group_id], list(indices), self.stage(), dict(groups.sampling),
+                            task=dict(problem.task) if problem is not None else {})
 
     def _requests(self, keys: list[Key]) -> list[GroupRequest]:
         """Samples by (group id, index), as one request per group (in the order the groups first appear)."""
@@ -206,10 +213,31 @@ class RolloutFlow:
             if r.stage is None:
                 raise RunFailed(f"generator rank {rank} sent rollout {r.group_id}/{r.sample_index} without the "
                                 f"length stage it was requested under")
+            if self._settled_by_episode(r):
+                continue
             items.append(self.ledger.add(r, GradeItem(r.key, problem.task, self.template.assistant_prefix + r.text,
                                                       len(r.completion_ids), r.stage)))
         if items:
             self._submit_grades(items)
+
+    def _settled_by_episode(self, r: Rollout) -> bool:
+        """An episode whose environment failed drops its group (never trained as reward 0; too many in a
+        row stop the run); one the environment gave its own reward needs no verifier."""
+        groups = self.groups_of(r.group_id)
+        if r.episode.error is not None:
+            self.log.window.env_failed += 1
+            self.env_failures_in_a_row += 1
+            if self.env_failures_in_a_row >= self.max_env_failures:
+                raise RunFailed(f"the environment failed {self.env_failures_in_a_row} episodes in a row "
+                                f"(env.max_consecutive_failures); last: {r.episode.error}")
+            groups.settle(r, True)
+            return True
+        self.env_failures_in_a_row = 0
+        if r.episode.reward is None:
+            return False
+        apply_verdict(r, own_reward(r.episode.reward, r.episode.correct))
+        groups.settle(r, False)
+        return True
 
     def _submit_grades(self, items: list[GradeItem]) -> None:
         if self.grader is not None:

@@ -48,7 +48,7 @@ class ChatTurns:
             if eos is None:
                 raise TemplateError("the tokenizer has no eos token: give the turn stop ids")
             self.stop_ids = (eos,)
-        self._stop_text = {i: self.tokenizer.convert_ids_to_tokens(i) for i in self.stop_ids}
+        self._stop_text = {i: self.tokenizer.decode([i]) for i in self.stop_ids}
 
     def observation_ids(self, messages: list[dict[str, str]], turn_stopped: bool = True) -> list[int]:
         """Ids that follow a model turn when the environment answers with `messages` (chat messages,
@@ -61,14 +61,37 @@ class ChatTurns:
         lead = [] if turn_stopped else [stop_id]
         return lead + self.tokenizer(tail + self.template.assistant_prefix, add_special_tokens=False).input_ids
 
+    def prompt_ids_with(self, prompt_ids: list[int], messages: list[dict[str, str]]) -> list[int]:
+        """`prompt_ids` (a rendered prompt, ending with the generation prompt and assistant prefix) with
+        `messages` (what an environment shows before the first turn) rendered after the prompt's last
+        message and before its generation prompt, as the template renders them."""
+        if not messages:
+            return list(prompt_ids)
+        base = [{"role": "system", "content": _MARKER}, {"role": "user", "content": _MARKER}]
+        closed = self._render(base, False)
+        opened = self._render(base, True)
+        extended = self._render(base + [dict(m) for m in messages], True)
+        if not (opened.startswith(closed) and extended.startswith(closed)):
+            raise TemplateError("the chat template renders a conversation's earlier messages differently once "
+                                "more follow: the environment's first messages cannot be appended to the prompt")
+        generation = self.tokenizer(opened[len(closed):] + self.template.assistant_prefix,
+                                    add_special_tokens=False).input_ids
+        if list(prompt_ids[len(prompt_ids) - len(generation):]) != generation:
+            raise TemplateError("the prompt does not end with this template's generation prompt")
+        tail = self.tokenizer(extended[len(closed):] + self.template.assistant_prefix, add_special_tokens=False)
+        return list(prompt_ids[:len(prompt_ids) - len(generation)]) + tail.input_ids
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **self.template.chat_template_kwargs)
+
     def _after_turn(self, messages: list[dict[str, str]]) -> tuple[int, str]:
         """(the stop id that ends an assistant turn in this template, the text the template renders
         after it up to and including the next generation prompt)."""
         base = [{"role": "system", "content": _MARKER}, {"role": "user", "content": _MARKER},
                 {"role": "assistant", "content": _MARKER}]
         try:
-            text = self.tokenizer.apply_chat_template(base + [dict(m) for m in messages], tokenize=False,
-                                                      add_generation_prompt=True, **self.template.chat_template_kwargs)
+            text = self._render(base + [dict(m) for m in messages], True)
         except Exception as e:  # jinja raises what the template's author chose (roles out of order, ...)
             roles = ", ".join(m.get("role", "?") for m in messages)
             raise TemplateError(f"the chat template cannot render an observation ({roles}) after an assistant "

@@ -6,7 +6,8 @@ reward's bubblewrap sandbox), ``single_turn`` (a single-turn task as a one-turn 
 This package imports ``reward`` (the verifiers grade final answers; tools run in its sandbox); reward
 never imports it.
 """
-from megatron_rl.env.base import Environment, EnvFailure, Message, StepResult, check_observation, outcome
+from megatron_rl.env.base import (Environment, EnvFailure, Message, StepResult, check_observation, outcome,
+                                  own_reward)
 from megatron_rl.env.loading import (
     BUILTINS, ENTRY_POINT_GROUP, EnvLoadError, environment_error, load_environment, make_environment,
 )
@@ -15,7 +16,7 @@ from megatron_rl.env.scripted import Echo
 from megatron_rl.env.single_turn import SingleTurn
 from megatron_rl.env.slots import ToolSlots, shared_slots
 
-__all__ = ["Environment", "EnvFailure", "Message", "StepResult", "check_observation", "outcome",
+__all__ = ["Environment", "EnvFailure", "Message", "StepResult", "check_observation", "outcome", "own_reward",
            "BUILTINS", "ENTRY_POINT_GROUP", "EnvLoadError", "environment_error", "load_environment",
            "make_environment", "PYTHON_TOOL", "PythonTool", "ToolCall", "parse_tool_calls", "Echo",
            "SingleTurn", "ToolSlots", "shared_slots"]

@@ -160,5 +160,11 @@ def outcome(task: dict[str, Any], last: StepResult, final_turn: str, config=None
     if last.reward is None:
         return score(task, final_turn, config, num_tokens, **score_kwargs)
     correct = last.info.get("correct")
-    return RewardBreakdown(format_ok=True, correct=bool(correct) if isinstance(correct, bool) else last.reward > 0,
-                           language_ok=None, total=last.reward, details={"reward": "environment"})
+    return own_reward(last.reward, correct if isinstance(correct, bool) else None)
+
+
+def own_reward(reward: float, correct: bool | None = None) -> RewardBreakdown:
+    """An environment's own verdict as a breakdown: ``total`` the reward, ``correct`` as given (None:
+    reward > 0); the format and language checks were not run (format_ok True, language_ok None)."""
+    return RewardBreakdown(format_ok=True, correct=reward > 0 if correct is None else correct, language_ok=None,
+                           total=reward, details={"reward": "environment"})

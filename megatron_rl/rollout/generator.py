@@ -36,7 +36,8 @@ from typing import Any, Iterator, Literal
 from megatron_rl.config import GeneratorConfig, RolloutConfig
 from megatron_rl.records import GroupRequest, Rollout
 from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
-from megatron_rl.rollout.outputs import parse_version, scoring_temperature, to_rollout
+from megatron_rl.rollout.episode import EpisodeSetup, run_episode
+from megatron_rl.rollout.outputs import Turn, parse_version, scoring_temperature
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
 from megatron_rl.rollout.server import SGLangServer
 
@@ -64,15 +65,17 @@ class Sample:
     sampling: dict[str, Any]
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     attempts: int = 0
-    streamed: int = 0  # output tokens received by its current attempt
+    streamed: int = 0  # output tokens received by its current request
+    request_id: str = ""  # of the request now on the server (one per turn and attempt)
 
 
 class Generator:
     def __init__(self, server: SGLangServer, rollout: RolloutConfig | None = None,
                  config: GeneratorConfig | None = None, generator_id: int = 0,
                  max_concurrency: int | None = None, on_death: Literal["restart", "raise"] = "restart",
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, episodes: EpisodeSetup | None = None):
         self.server = server
+        self.episodes = episodes or EpisodeSetup()
         self.rollout = rollout or RolloutConfig()
         self.config = config or GeneratorConfig()
         self.generator_id = generator_id
@@ -174,20 +177,20 @@ class Generator:
 
     def _run(self, s: Sample) -> None:
         try:
-            self._send_gate.wait()
             incarnation = self.server.incarnation
-            body = {"input_ids": s.group.prompt_ids, "sampling_params": s.sampling, "return_logprob": True,
-                    "rid": f"{s.rid}-{s.attempts}", "cache_salt": self.cache.salt()}
             s.attempts += 1
-            s.streamed = 0  # a re-issued sample streams from its first token again
+            e = self.episodes
             try:
-                out = self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n))
-            except ServerUnreachable as e:
-                self._on_unreachable(s, incarnation, e)
+                ep = run_episode(e.make_env(), s.group.task, s.group.prompt_ids, lambda ids, n: self._turn(s, ids, n),
+                                 s.sampling["max_new_tokens"], e.limits, e.turns)
+            except ServerUnreachable as err:
+                self._on_unreachable(s, incarnation, err)
                 return
-            r = to_rollout(out, group_id=s.group.group_id, sample_index=s.index, prompt_ids=s.group.prompt_ids,
-                           generator_id=self.generator_id, temperature=scoring_temperature(s.sampling),
-                           stage=s.group.stage)
+            r = Rollout(group_id=s.group.group_id, sample_index=s.index, prompt_ids=ep.prompt_ids,
+                        completion_ids=ep.ids, behaviour_logprobs=ep.logprobs, weight_versions=ep.versions,
+                        finish_reason=ep.finish_reason, text=ep.text, generator_id=self.generator_id,
+                        stage=s.group.stage, temperature=scoring_temperature(s.sampling), loss_mask=ep.loss_mask,
+                        episode=ep.report)
             # queued before it leaves _pending: in_flight == 0 with an empty queue means all delivered
             self._out.put(r)
             with self._lock:
@@ -196,6 +199,16 @@ class Generator:
             self._out.put(e)
             with self._lock:
                 self._pending.pop(s.rid, None)
+
+    def _turn(self, s: Sample, context: list[int], max_new_tokens: int) -> Turn:
+        """One model turn of sample `s` from `context` (a new request: after an update it carries the new
+        cache salt, so its prefill runs under the new weights)."""
+        self._send_gate.wait()
+        s.request_id = f"{s.rid}-{s.attempts}-{uuid.uuid4().hex[:8]}"
+        s.streamed = 0  # each request (a turn, a re-issue) streams from its first token
+        body = {"input_ids": context, "sampling_params": dict(s.sampling, max_new_tokens=max_new_tokens),
+                "return_logprob": True, "rid": s.request_id, "cache_salt": self.cache.salt()}
+        return Turn.of(self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n)))
 
     def _count_tokens(self, s: Sample, n: int) -> None:
         with self._lock:
@@ -228,7 +241,7 @@ class Generator:
         with self._lock:
             s = self._pending.get(rid)
         if s is not None:
-            self.server.client.abort(f"{s.rid}-{s.attempts - 1}")
+            self.server.client.abort(s.request_id)
 
     # ---------------------------------------------------------------- death and recovery
     def _on_unreachable(self, s: Sample, incarnation: int, err: Exception) -> None:

@@ -1,11 +1,11 @@
-"""Turn one SGLang /generate answer into a `Rollout`: tokens, behaviour logprobs, versions per token,
-and the length stage it was requested under (a single-turn sample: every token is the model's, no loss mask)."""
+"""One SGLang /generate answer as a model `Turn`: tokens, behaviour logprobs, versions per token,
+why it ended, prompt and cached tokens (megatron_rl.rollout.episode strings turns into an episode)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.config import LengthStage
-from megatron_rl.records import FinishReason, Rollout
+from megatron_rl.records import FinishReason
 
 
 class MalformedOutput(ValueError):
@@ -51,26 +51,37 @@ def finish_reason(meta: dict) -> FinishReason:
     raise MalformedOutput(f"unknown finish_reason {fr!r}")
 
 
-def to_rollout(out: dict, *, group_id: str, sample_index: int, prompt_ids: list[int],
-               generator_id: int, temperature: float = 1.0, stage: LengthStage | None = None) -> Rollout:
-    meta = out.get("meta_info") or {}
-    ids = out.get("output_ids")
-    if ids is None:
-        raise MalformedOutput(f"no output_ids in SGLang answer: {str(out)[:300]}")
-    lps = meta.get("output_token_logprobs")
-    if lps is None:
-        raise MalformedOutput("no output_token_logprobs (request must set return_logprob)")
-    if len(lps) != len(ids):
-        raise MalformedOutput(f"{len(lps)} logprobs for {len(ids)} output tokens")
-    for (lp, tok, *_), t in zip(lps, ids):
-        if tok != t:
-            raise MalformedOutput(f"logprob entry for token {tok} where output has {t}")
-    versions = expand_version_spans(meta.get("weight_versions"), len(ids), meta.get("weight_version"))
-    return Rollout(group_id=group_id, sample_index=sample_index, prompt_ids=list(prompt_ids),
-                   completion_ids=list(ids), behaviour_logprobs=[float(x[0]) for x in lps],
-                   weight_versions=versions, finish_reason=finish_reason(meta),
-                   text=out.get("text", ""), generator_id=generator_id, temperature=float(temperature),
-                   stage=stage)
+@dataclass
+class Turn:
+    """One model turn as /generate answered it: sampled ids (a matched stop token included), their
+    behaviour logprobs and weight versions, why it ended, and the request's prompt / cached tokens."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, out: dict) -> "Turn":
+        """Parse an answer; MalformedOutput when its ids, logprobs and versions do not agree."""
+        meta = out.get("meta_info") or {}
+        ids = out.get("output_ids")
+        if ids is None:
+            raise MalformedOutput(f"no output_ids in SGLang answer: {str(out)[:300]}")
+        lps = meta.get("output_token_logprobs")
+        if lps is None:
+            raise MalformedOutput("no output_token_logprobs (request must set return_logprob)")
+        if len(lps) != len(ids):
+            raise MalformedOutput(f"{len(lps)} logprobs for {len(ids)} output tokens")
+        for (lp, tok, *_), t in zip(lps, ids):
+            if tok != t:
+                raise MalformedOutput(f"logprob entry for token {tok} where output has {t}")
+        versions = expand_version_spans(meta.get("weight_versions"), len(ids), meta.get("weight_version"))
+        return cls(list(ids), [float(x[0]) for x in lps], versions, finish_reason(meta), out.get("text", ""),
+                   int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0))
 
 
 def scoring_temperature(sampling: dict) -> float:

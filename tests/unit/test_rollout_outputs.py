@@ -1,9 +1,9 @@
-"""Parsing SGLang answers into Rollouts; the prefix-cache epoch policy; server command line."""
+"""Parsing SGLang answers into turns; the prefix-cache epoch policy; server command line."""
 from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.outputs import MalformedOutput, expand_version_spans, finish_reason, to_rollout
+from megatron_rl.rollout.outputs import MalformedOutput, Turn, expand_version_spans, finish_reason
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
 from megatron_rl.rollout.server import ServerSpec
 
@@ -32,28 +32,29 @@ def test_bad_spans_raise(spans, n):
         expand_version_spans(spans, n, "1")
 
 
-def test_to_rollout_and_finish_reasons():
-    r = to_rollout(_answer([5, 6, 7], [{"version": "2", "start": 0, "end": 1},
-                                       {"version": "3", "start": 1, "end": 3}], fr="stop"),
-                   group_id="p", sample_index=1, prompt_ids=[1, 2], generator_id=4)
-    assert r.completion_ids == [5, 6, 7] and r.weight_versions == [2, 3, 3]
-    assert r.behaviour_logprobs == [-0.5, -1.5, -2.5] and r.finish_reason == "stop"
-    assert r.generator_id == 4 and r.oldest_version == 2
+def test_turn_and_finish_reasons():
+    answer = _answer([5, 6, 7], [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}],
+                     fr="stop")
+    answer["meta_info"] |= {"prompt_tokens": 9, "cached_tokens": 4}
+    t = Turn.of(answer)
+    assert t.ids == [5, 6, 7] and t.versions == [2, 3, 3] and t.text == "xy"
+    assert t.logprobs == [-0.5, -1.5, -2.5] and t.finish_reason == "stop"
+    assert (t.prompt_tokens, t.cached_tokens) == (9, 4)
     for kind in ("stop", "length", "abort"):
         assert finish_reason({"finish_reason": {"type": kind}}) == kind
     with pytest.raises(MalformedOutput):
         finish_reason({"finish_reason": None})
 
 
-def test_to_rollout_rejects_inconsistent_answers():
+def test_turn_rejects_inconsistent_answers():
     a = _answer([5, 6], None)
     a["meta_info"]["output_token_logprobs"] = a["meta_info"]["output_token_logprobs"][:1]
     with pytest.raises(MalformedOutput):
-        to_rollout(a, group_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
+        Turn.of(a)
     a = _answer([5, 6], None)
     del a["meta_info"]["output_token_logprobs"]
     with pytest.raises(MalformedOutput, match="return_logprob"):
-        to_rollout(a, group_id="p", sample_index=0, prompt_ids=[1], generator_id=0)
+        Turn.of(a)
 
 
 @pytest.mark.parametrize("s", [0, 1, 3])

@@ -1,0 +1,35 @@
+"""Episodes as a run configures them (the `env` section): the prompt template the controller renders
+prompts with (the environment's tool schemas in it, so the chat template describes the tools) and the
+setup a generator rank plays episodes with. Both sides render with the same template: the prompt ids the
+controller sends and the observation ids a generator appends come from one chat template."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megatron_rl.config import Config
+from megatron_rl.data.prompts import PromptTemplate, get_template
+from megatron_rl.data.turns import ChatTurns
+from megatron_rl.env import load_environment, make_environment, shared_slots
+from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup
+
+
+def prompt_template(cfg: Config) -> PromptTemplate:
+    """The data's template, with `tools=` for the chat template when the environment offers tools."""
+    template = get_template(cfg.data)
+    tools = list(getattr(load_environment(cfg.env.name), "tools", []) or [])
+    if not tools:
+        return template
+    return dataclasses.replace(template, chat_template_kwargs=template.chat_template_kwargs | {"tools": tools})
+
+
+def episode_setup(cfg: Config, tokenizer) -> EpisodeSetup:
+    """How a generator rank plays episodes: a new environment per episode (env.name, env.args), the caps,
+    and observations rendered by the model's chat template (none for an environment without a template
+    to render them: the single-turn task shows nothing). Sizes the rank's shared tool slots."""
+    e = cfg.env
+    if e.tool_concurrency is not None:
+        shared_slots().resize(e.tool_concurrency)
+    turns = ChatTurns(tokenizer, prompt_template(cfg)) if getattr(tokenizer, "chat_template", None) else None
+    return EpisodeSetup(make_env=functools.partial(make_environment, e.name, e.args),
+                        limits=EpisodeLimits(e.max_turns, e.max_turn_tokens, e.max_observation_tokens), turns=turns)

@@ -1,0 +1,172 @@
+"""The turn loop of an episode: token in, token out, exactly.
+
+One episode is one sample of a group: its environment starts on the task; each model turn is one
+/generate request whose input is the context so far; the environment answers the turn's text with
+chat messages, whose ids (`ChatTurns.observation_ids`, the chat template's rendering, encoded once)
+are appended; until the environment says done or a cap ends it. The context grows only by the sampled
+ids (stop token included: SGLang returns it) and by observation ids: nothing sampled is decoded and
+encoded again, and the history is never re-rendered. So the completion the trainer scores is exactly
+the token sequence the generator sampled in and the model saw.
+
+Every sampled token keeps its behaviour logprob and the weight version that produced it (an in-place
+update inside a turn splits the turn's versions); environment tokens get loss_mask 0 and the
+placeholders ENV_LOGPROB / ENV_VERSION. A turn after a weight update is a new request under the new
+cache salt (`PrefixCachePolicy`), so it prefills under the new weights instead of reusing old KV.
+
+Caps (the `env` config): `max_turns` model turns; the length stage's cap bounds every token after the
+prompt (model and environment: the context the KV cache holds); `max_turn_tokens` one turn; an
+observation message longer than `max_observation_tokens` is cut with a note the model sees. An episode
+a cap ends is graded on its last turn. An environment that raises fails the episode (`report.error`):
+it is never trained, its group is dropped.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from megatron_rl.data.turns import ChatTurns
+from megatron_rl.env import SingleTurn
+from megatron_rl.records import ENV_LOGPROB, ENV_VERSION, EpisodeReport, FinishReason
+from megatron_rl.rollout.outputs import Turn
+
+TRUNCATED_NOTE = "\n[... output cut: {n} more tokens]"
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 1
+    max_turn_tokens: int | None = None  # None: the stage's cap
+    max_observation_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What a generator needs to play episodes: a new environment per episode, the caps, and the
+    renderer of observations (None: environments that show nothing, e.g. the single-turn task)."""
+
+    make_env: Callable[[], Any] = SingleTurn
+    limits: EpisodeLimits = EpisodeLimits()
+    turns: ChatTurns | None = None
+
+
+@dataclass
+class Episode:
+    """What an episode produced: the prompt (with the environment's first messages, if any) and the
+    completion, token by token."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    text: str = ""  # the last model turn: what the verifiers grade
+    report: EpisodeReport = field(default_factory=lambda: EpisodeReport(turns=0))
+
+    def add_turn(self, turn: Turn) -> None:
+        self.ids += turn.ids
+        self.logprobs += turn.logprobs
+        self.versions += turn.versions
+        self.mask += [1] * len(turn.ids)
+        self.finish_reason, self.text = turn.finish_reason, turn.text
+        self.report.turns += 1
+        self.report.prompt_tokens += turn.prompt_tokens
+        self.report.cached_tokens += turn.cached_tokens
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [ENV_LOGPROB] * len(ids)
+        self.versions += [ENV_VERSION] * len(ids)
+        self.mask += [0] * len(ids)
+        self.report.env_tokens += len(ids)
+
+    def add_info(self, info: dict[str, Any], seconds: float) -> None:
+        r = self.report
+        r.tool_s += seconds
+        for key in ("tool_calls", "tool_errors", "tool_timeouts"):
+            value = info.get(key, 0)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(r, key, getattr(r, key) + value)
+
+    @property
+    def loss_mask(self) -> list[int] | None:
+        """None when every completion token is the model's (the single-turn form)."""
+        return None if all(self.mask) else self.mask
+
+
+def run_episode(env, task: dict[str, Any], prompt_ids: list[int], sample: Callable[[list[int], int], Turn],
+                cap: int, limits: EpisodeLimits, turns: ChatTurns | None) -> Episode:
+    """Play one episode. `sample(context_ids, max_new_tokens)` runs one model turn; `cap` bounds every
+    token after the prompt; `turns` renders observations (None: an environment that shows none, the
+    single-turn task). The environment is closed on every way out."""
+    episode = Episode(list(prompt_ids))
+    try:
+        first = _env(env.reset, task)
+        if first:
+            if turns is None:
+                raise RuntimeError("the environment shows messages but the tokenizer has no chat template")
+            episode.prompt_ids = turns.prompt_ids_with(prompt_ids, first)
+        _play(env, episode, sample, cap, limits, turns)
+    except EnvironmentBroke as e:
+        episode.report.stop, episode.report.error = "env_error", str(e)
+    finally:
+        try:
+            env.close()
+        except Exception as e:  # a failed close fails the episode too: its resources may leak
+            episode.report.stop, episode.report.error = "env_error", f"close: {type(e).__name__}: {e}"
+    return episode
+
+
+class EnvironmentBroke(Exception):
+    """The environment raised (reset, step or close): the episode fails, the run goes on."""
+
+
+def _env(method, *args):
+    try:
+        return method(*args)
+    except Exception as e:
+        first = next(iter(str(e).splitlines()), "")
+        raise EnvironmentBroke(f"{method.__name__}: {type(e).__name__}: {first}") from e
+
+
+def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns: ChatTurns | None) -> None:
+    report = episode.report
+    while True:
+        room = cap - len(episode.ids)
+        turn = sample(episode.prompt_ids + episode.ids, min(room, limits.max_turn_tokens or room))
+        episode.add_turn(turn)
+        if turn.finish_reason == "abort":
+            report.stop = "abort"
+            return
+        started = time.perf_counter()
+        result = _env(env.step, turn.text)
+        episode.add_info(result.info, time.perf_counter() - started)
+        if result.done:
+            report.reward = result.reward
+            correct = result.info.get("correct")
+            report.correct = correct if isinstance(correct, bool) else None
+            return
+        if report.turns >= limits.max_turns:
+            report.stop = "max_turns"
+            return
+        if turns is None:
+            raise RuntimeError("the environment continues after a turn but the tokenizer has no chat template")
+        observation = turns.observation_ids(_cut(turns, result.observation, limits.max_observation_tokens),
+                                            turn_stopped=turn.finish_reason == "stop")
+        if len(episode.ids) + len(observation) >= cap:  # no room left for a model token after it
+            report.stop = "max_tokens"
+            episode.finish_reason = "length"
+            return
+        episode.add_observation(observation)
+
+
+def _cut(turns: ChatTurns, messages: list[dict[str, str]], limit: int) -> list[dict[str, str]]:
+    """Messages whose content is at most `limit` tokens (cut at a token boundary, with a note)."""
+    out = []
+    for m in messages:
+        ids = turns.tokenizer(m["content"], add_special_tokens=False).input_ids
+        if len(ids) > limit:
+            m = dict(m, content=turns.tokenizer.decode(ids[:limit]) + TRUNCATED_NOTE.format(n=len(ids) - limit))
+        out.append(m)
+    return out

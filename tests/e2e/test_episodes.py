@@ -9,7 +9,6 @@ carry the new version, equal to HF on the new weights.
 """
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -22,7 +21,7 @@ from megatron_rl.records import ENV_LOGPROB, ENV_VERSION, GroupRequest
 from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup
 from megatron_rl.sync.sender import WeightSender
 from megatron_rl.sync.update import push_in_process, target_of
-from support.runs import running_generator
+from test_generator import gen, hf, named, perturbed  # noqa: F401 (gen, hf: the module's server and HF model)
 
 pytestmark = pytest.mark.timeout(900)
 PROMPT = [{"role": "user", "content": "1 + 1 ="}]
@@ -40,20 +39,6 @@ def newline(tok):
     ids = tok("\n", add_special_tokens=False).input_ids
     assert len(ids) == 1, "the tiny template ends a turn with a newline: it must be one token"
     return ids[0]
-
-
-@pytest.fixture(scope="module")
-def gen(tiny_llama_dir, tmp_path_factory):
-    with running_generator(tiny_llama_dir, tmp_path_factory.mktemp("sglang"), threads=1) as g:
-        yield g
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama_dir):
-    from transformers import LlamaForCausalLM
-
-    torch.set_num_threads(1)
-    return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
 class Recorded:
@@ -152,14 +137,10 @@ class UpdateAfterFirstTurn(Echo):
 
 
 def test_update_between_turns_prefills_under_the_new_weights(gen, tok, newline, hf):
-    new = copy.deepcopy(hf)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+    new = perturbed(hf, seed=3)
     old_version, version = gen.version, gen.version + 1
     sender = WeightSender(0, [target_of(gen)], bucket_mb=1.0)
-    push = functools.partial(push_in_process, [gen], [(sender, [(n, p.detach()) for n, p in new.named_parameters()])],
+    push = functools.partial(push_in_process, [gen], [(sender, named(new))],
                              version)
     try:
         r, calls, _ = play(gen, tok, newline, functools.partial(UpdateAfterFirstTurn, push, turns=2))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import RunConfig, config_from_dict
-from megatron_rl.config_tree import ConfigError
+from megatron_rl.config.tree import ConfigError
 from megatron_rl.control.metrics import METRICS_FILE
 from megatron_rl.control.run_log import RunLog
 from support.metric_logs import assert_same, jsonl_numbers, tensorboard_scalars

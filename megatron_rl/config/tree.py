@@ -27,7 +27,11 @@ def check(cond: bool, key: str, msg: str) -> None:
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Check `value` against a (resolved) type annotation; ints are accepted where floats are."""
+    """Check `value` against a (resolved) type annotation; ints are accepted where floats are. `Any`
+    takes any YAML value: what it must be is checked where it is used (e.g. env.args by the environment
+    pre-flight makes)."""
+    if annotation is Any:
+        return value
     origin = typing.get_origin(annotation)
     if origin is Literal:
         check(value in typing.get_args(annotation), key,

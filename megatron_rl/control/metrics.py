@@ -115,7 +115,8 @@ def batch_stats(batch: Batch) -> dict[str, float]:
     sampled each token, as the loss sees it): mean over the batch's tokens and the largest."""
     seqs = batch.sequences
     lags = [batch.policy_version - v for s in seqs for v in s.model_versions]
-    out = {"batch/sequences": len(seqs), "batch/tokens": sum(s.completion_len for s in seqs)}
+    out = {"batch/sequences": len(seqs), "batch/tokens": sum(s.completion_len for s in seqs),
+           "batch/loss_tokens": sum(s.n_loss_tokens for s in seqs)}
     if lags:
         out |= {"batch/staleness_mean": sum(lags) / len(lags), "batch/staleness_max": max(lags)}
     return out
@@ -127,7 +128,7 @@ def stage_metrics(stage: LengthStage) -> dict[str, int]:
             "stage/l_cache": stage.l_cache}
 
 
-TRAIN_KEYS = ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
+TRAIN_KEYS = ("loss", "loss_tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
               "grad_norm", "tokens_per_s", "padding_frac", "is_weight_mean", "is_masked_frac")
 
 

@@ -106,6 +106,7 @@ class Trainer:
         summary: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps) for k in keys}
         summary.update(mismatch.merge(steps))
         summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
+        summary["loss_tokens"] = sum(s["n_loss_tokens"] for s in steps)  # the update's, over its minibatches
         summary.update(version=self.version, step=self.step, steps=steps)
         return summary
 

@@ -105,6 +105,10 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _is_mapping(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is dict or annotation in (dict, Any)
+
+
 def apply_override(root: type, tree: dict, override: str) -> None:
     """Set `dotted.key=value` (a YAML value) in the plain `tree` of dataclass `root`, checking the path."""
     if "=" not in override:
@@ -115,6 +119,8 @@ def apply_override(root: type, tree: dict, override: str) -> None:
     node = tree
     for depth, name in enumerate(parts):
         key = ".".join(parts[:depth + 1])
+        if _is_mapping(cls) and depth == len(parts) - 1:  # one entry of a mapping key (env.args.turns=3)
+            break
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{key}: {'.'.join(parts[:depth])} is not a section")
         hints = typing.get_type_hints(cls)

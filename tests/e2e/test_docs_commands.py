@@ -1,9 +1,9 @@
-"""The blocks of docs/getting_started.md and docs/your_model_and_data.md, run as a reader runs them,
-so the docs cannot drift from the code.
+"""The blocks of docs/getting_started.md, your_model_and_data.md and environments.md, run as a reader
+runs them, so the docs cannot drift from the code.
 
 Each doc's blocks run in order, one pytest case per block, in one folder per doc: getting_started in
 a copy of the working tree (its commands use `examples/` and `./dev` from the repository root),
-your_model_and_data in an empty folder (a user's own project: nothing from the repository may be
+the others in an empty folder (a user's own project: nothing from the repository may be
 needed). Blocks, by their fence:
 - ```bash: run with `bash -e -o pipefail`; exported variables carry over to the doc's next blocks;
 - a block whose first line is `$ command`: a transcript; each command runs (its exit status is not
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("getting_started.md", "your_model_and_data.md")
+DOCS = ("getting_started.md", "your_model_and_data.md", "environments.md")
 IN_CLONE = {"getting_started.md"}
 BLOCK_TIMEOUT_S = 600
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.M | re.S)

@@ -12,8 +12,9 @@
   apply the prefix-cache policy (see prefix_cache.py), continue.
 
 Death of the server (connection refused/reset, process gone) is recovered here when
-`on_death="restart"` (default): the server is relaunched from `model_path` and every unfinished
-sample is re-issued from scratch. The relaunched server serves the weights on disk, i.e. version
+`on_death="restart"` (default): the server is relaunched from `model_path` and every turn in flight
+runs again from its start there (an episode resumes at its last turn boundary, with its environment
+and the turns before kept). The relaunched server serves the weights on disk, i.e. version
 `initial_version`, and `needs_weight_sync` becomes True: tokens are honestly tagged with that
 version, and the controller is expected to push the current weights (senders re-create their
 update groups because `incarnation` changed). With `on_death="raise"`, or once `max_restarts` is
@@ -49,6 +50,10 @@ class GeneratorDied(RuntimeError):
     def __init__(self, msg: str, unfinished: list[GroupRequest]):
         super().__init__(msg)
         self.unfinished = unfinished
+
+
+class _ServerGone(Exception):
+    """The generator died while a turn waited for its server (the sample stays pending: unfinished)."""
 
 
 class WeightUpdateError(RuntimeError):
@@ -177,14 +182,12 @@ class Generator:
 
     def _run(self, s: Sample) -> None:
         try:
-            incarnation = self.server.incarnation
             s.attempts += 1
             e = self.episodes
             try:
                 ep = run_episode(e.make_env(), s.group.task, s.group.prompt_ids, lambda ids, n: self._turn(s, ids, n),
                                  s.sampling["max_new_tokens"], e.limits, e.turns)
-            except ServerUnreachable as err:
-                self._on_unreachable(s, incarnation, err)
+            except _ServerGone:  # the generator died: the sample is listed in GeneratorDied.unfinished
                 return
             r = Rollout(group_id=s.group.group_id, sample_index=s.index, prompt_ids=ep.prompt_ids,
                         completion_ids=ep.ids, behaviour_logprobs=ep.logprobs, weight_versions=ep.versions,
@@ -201,14 +204,23 @@ class Generator:
                 self._pending.pop(s.rid, None)
 
     def _turn(self, s: Sample, context: list[int], max_new_tokens: int) -> Turn:
-        """One model turn of sample `s` from `context` (a new request: after an update it carries the new
-        cache salt, so its prefill runs under the new weights)."""
-        self._send_gate.wait()
-        s.request_id = f"{s.rid}-{s.attempts}-{uuid.uuid4().hex[:8]}"
-        s.streamed = 0  # each request (a turn, a re-issue) streams from its first token
-        body = {"input_ids": context, "sampling_params": dict(s.sampling, max_new_tokens=max_new_tokens),
-                "return_logprob": True, "rid": s.request_id, "cache_salt": self.cache.salt()}
-        return Turn.of(self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n)))
+        """One model turn of sample `s` from `context`: a new request (after an update it carries the new
+        cache salt, so its prefill runs under the new weights). If the server dies meanwhile, the turn
+        runs again from its start on the relaunched server: the episode resumes at its last turn boundary."""
+        while True:
+            self._send_gate.wait()
+            if self._dead is not None or self._closed:
+                raise _ServerGone
+            incarnation = self.server.incarnation
+            s.request_id = f"{s.rid}-{s.attempts}-{uuid.uuid4().hex[:8]}"
+            s.streamed = 0  # each request (a turn, a turn again) streams from its first token
+            body = {"input_ids": context, "sampling_params": dict(s.sampling, max_new_tokens=max_new_tokens),
+                    "return_logprob": True, "rid": s.request_id, "cache_salt": self.cache.salt()}
+            try:
+                return Turn.of(self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n)))
+            except ServerUnreachable as err:
+                if not self._recover(incarnation, err):
+                    raise _ServerGone from err
 
     def _count_tokens(self, s: Sample, n: int) -> None:
         with self._lock:
@@ -244,9 +256,11 @@ class Generator:
             self.server.client.abort(s.request_id)
 
     # ---------------------------------------------------------------- death and recovery
-    def _on_unreachable(self, s: Sample, incarnation: int, err: Exception) -> None:
+    def _recover(self, incarnation: int, err: Exception) -> bool:
+        """After a request found the server unreachable: relaunch it (once, whichever request notices
+        first) unless it was already; False when the generator is dead or closing."""
         if self._closed:  # shutting down: the server was stopped on purpose, never relaunch it
-            return
+            return False
         with self._recover_lock:
             if self._dead is None and self.server.incarnation == incarnation and not self.server.healthy():
                 if self.on_death == "restart" and self.server.restarts < self.max_restarts:
@@ -264,9 +278,7 @@ class Generator:
                 else:
                     why = "on_death='raise'" if self.on_death == "raise" else f"{self.max_restarts} restarts used"
                     self._die(f"SGLang server on port {self.server.spec.port} died ({err}); {why}")
-        if self._dead is not None:
-            return
-        self._pool.submit(self._run, s)  # re-issue from scratch on the (new) server
+        return self._dead is None
 
     def _die(self, msg: str) -> None:
         with self._lock:

@@ -171,3 +171,45 @@ def test_a_failing_environment_fails_its_episode_not_the_generator(gen, tok, new
     assert r.episode.stop == "env_error" and "EnvFailure" in r.episode.error and "scripted failure" in r.episode.error
     assert len(calls) == 2 and made[0].closed
     assert issubclass(EnvFailure, RuntimeError)
+
+
+class KillServerAfterFirstTurn(Echo):
+    """Echo that kills the generator's server while it answers the first turn."""
+
+    def __init__(self, server, **kw):
+        super().__init__(**kw)
+        self.server, self.resets = server, 0
+
+    def reset(self, task):
+        self.resets += 1
+        return super().reset(task)
+
+    def step(self, turn):
+        result = super().step(turn)
+        if self.k == 1:
+            self.server.kill_for_test()
+        return result
+
+
+def test_a_server_restart_resumes_the_episode_at_its_last_turn_boundary(gen, tok, newline, hf):
+    made, incarnation, served = [], gen.incarnation, gen.version
+
+    def make():
+        made.append(KillServerAfterFirstTurn(gen.server, turns=2))
+        return made[-1]
+
+    r, calls, _ = play(gen, tok, newline, make)
+    assert gen.incarnation == incarnation + 1 and len(made) == 1 and made[0].resets == 1  # one environment
+    assert r.episode.turns == 2 and r.episode.stop == "done"
+    model = [(a, b) for a, b, m in runs(r.loss_mask) if m]
+    # the first turn was kept; the second ran on the relaunched server, from the same context
+    assert calls[0][1]["output_ids"] == r.completion_ids[slice(*model[0])]
+    assert calls[-1][0]["input_ids"] == r.prompt_ids + r.completion_ids[:model[1][0]]
+    assert calls[-1][1]["output_ids"] == r.completion_ids[slice(*model[1])]
+    # the first turn keeps the version it was sampled with; the relaunched server serves the disk weights
+    # (version 0, = hf), and the second turn equals HF on them, conditioned on the episode's own ids
+    (a0, b0), (a1, b1) = model
+    assert r.weight_versions[a0:b0] == [served] * (b0 - a0) and r.weight_versions[a1:b1] == [0] * (b1 - a1)
+    n = len(r.prompt_ids) - 1
+    torch.testing.assert_close(torch.tensor(r.behaviour_logprobs[a1:b1]),
+                               hf_logprobs(hf, r.prompt_ids + r.completion_ids)[n + a1:n + b1], atol=3e-3, rtol=1e-3)

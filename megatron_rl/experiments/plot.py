@@ -30,10 +30,16 @@ PANELS = (
     ("logprob mismatch", ("mismatch/lag0/abs_mean", "mismatch/lag0/kl_k3", "mismatch/lag1/abs_mean")),
     # held-out evaluation (run.eval_every): a key ending in "*" draws every key it starts (eval/pass@k)
     ("eval (held-out)", ("eval/pass@*",)),
+    # multi-turn episodes (env.name): drawn for runs whose episodes have more than one turn
+    ("episode turns / tool calls", ("episode/turns", "episode/tool_calls")),
+    ("episode tokens", ("episode/env_token_frac", "episode/cached_prefix_frac")),
+    ("episode stops", ("episode/stop/*",)),
 )
+EPISODE_PANELS = {"episode turns / tool calls", "episode tokens", "episode stops"}
 # Metrics averaged over the line's graded samples: weighted by `rollouts`; the others by the updates
 # the line covers (`updates_in_line`, run.log_every).
-PER_SAMPLE = ("reward/", "pass_rate", "length/", "finish/", "staleness/", "versions_per_sequence/")
+PER_SAMPLE = ("reward/", "pass_rate", "length/", "finish/", "staleness/", "versions_per_sequence/", "episode/turns",
+              "episode/tool_", "episode/stop/")
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
@@ -112,8 +118,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     labels = list(labels) if labels else [Path(d).name or str(d) for d in run_dirs]
     if len(labels) != len(runs):
         raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+    multi_turn = any(r.get("episode/turns", 1) > 1 for rows in runs for r in rows)
     panels = [(title, patterns) for title, patterns in ([(key, (key,)) for key in metrics] if metrics else PANELS)
-              if any(series(rows, k)[0] for rows in runs for pattern in patterns for k in _keys(pattern, rows))]
+              if any(series(rows, k)[0] for rows in runs for pattern in patterns for k in _keys(pattern, rows))
+              and (multi_turn or title not in EPISODE_PANELS)]
     if not panels:  # e.g. --metrics naming keys the runs do not log
         raise ValueError(f"none of the metrics to draw is in {', '.join(str(d) for d in run_dirs)}")
     if halflife is None:

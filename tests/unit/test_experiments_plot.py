@@ -96,3 +96,26 @@ def test_chosen_metrics_get_one_panel_each(tmp_path):
     a = _run(tmp_path / "a", 0, 5)
     out = plot_runs([a], tmp_path / "one.png", metrics=["reward/mean", "train/*"])
     assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("turns", [1.0, 2.5])
+def test_episode_panels_are_drawn_for_multi_turn_runs_only(tmp_path, monkeypatch, turns):
+    from matplotlib.figure import Figure
+
+    from megatron_rl.experiments.plot import plot_runs
+
+    saved = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), real_savefig(fig, *a, **k)))
+    run = _run(tmp_path / "a", 0, 4)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    episode = {"episode/turns": turns, "episode/tool_calls": turns - 1, "episode/env_token_frac": 0.3,
+               "episode/cached_prefix_frac": 0.5, "episode/stop/done": 0.9, "episode/stop/max_turns": 0.1}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r | episode) + "\n" for r in rows))
+    plot_runs([run], tmp_path / "out.png")
+    titles = {ax.get_title() for ax in saved[0].axes if ax.get_visible()}
+    episode_panels = {"episode turns / tool calls", "episode tokens", "episode stops"}
+    assert (episode_panels <= titles) if turns > 1 else not (episode_panels & titles)
+    if turns > 1:
+        (stops,) = [ax for ax in saved[0].axes if ax.get_title() == "episode stops"]
+        assert {line.get_label() for line in stops.lines} == {"episode/stop/done", "episode/stop/max_turns"}

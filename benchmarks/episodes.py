@@ -1,0 +1,138 @@
+"""Multi-turn episodes vs single-turn samples on one real generator, and the python tool's overhead.
+
+    .venv/bin/python benchmarks/episodes.py                 # ~3 minutes on 2 idle cores
+    .venv/bin/python benchmarks/episodes.py --episodes 8 --turns 3 --tool-ms 50
+
+1. Throughput. One SGLang server (tiny random Llama, tests/support/models.py) plays `--episodes`
+   episodes of `--turns` turns of exactly `--turn-tokens` sampled tokens each (ignore_eos), with a
+   scripted tool of a fixed cost (`--tool-ms` of sleep per step) between turns, all in flight at once;
+   then the same number of single-turn samples of turns x turn-tokens tokens each: the same sampled
+   tokens. Printed: sampled tokens/s of each and their ratio (target: >= 0.8 when the tool's time is
+   below a turn's decode time), the share of the multi-turn wall time the tools took in all (tool time
+   summed over episodes / wall / episodes in flight: how much of it other episodes' decoding hid), and
+   the cached share of the turns' prompt tokens.
+2. Tool overhead. `PythonTool.step` on a `print(1)` tool call vs the bare sandbox run of the same code
+   (`Jail.run` with the tool's limits), medians over `--calls`, interleaved: the environment's per-call
+   overhead (parsing, workspace, slots, observation).
+Modes alternate `--pairs` times (the machine's speed drifts); medians over pairs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from megatron_rl.data.prompts import get_template  # noqa: E402
+from megatron_rl.data.turns import ChatTurns  # noqa: E402
+from megatron_rl.env import Environment, PythonTool, StepResult  # noqa: E402
+from megatron_rl.records import GroupRequest  # noqa: E402
+from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup  # noqa: E402
+
+
+class FixedCostTool(Environment):
+    """A tool that takes `seconds` per call and answers "ok" for `turns` turns."""
+
+    def __init__(self, turns: int, seconds: float):
+        self.turns, self.seconds, self.k = turns, seconds, 0
+
+    def reset(self, task):
+        self.k = 0
+        return []
+
+    def step(self, turn):
+        self.k += 1
+        if self.k == self.turns:
+            return StepResult(done=True, reward=0.0)
+        time.sleep(self.seconds)
+        return StepResult([{"role": "tool", "content": "ok"}], info={"tool_calls": 1})
+
+
+def run_mode(gen, prompt, n, turns, turn_tokens, tool_s, chat) -> dict:
+    multi = turns > 1
+    gen.episodes = EpisodeSetup(lambda: FixedCostTool(turns, tool_s) if multi else FixedCostTool(1, 0.0),
+                                EpisodeLimits(turns, turn_tokens if multi else None, 64), chat if multi else None)
+    cap = turns * turn_tokens * 4  # room for the observations too
+    t0 = time.perf_counter()
+    gen.submit_group(GroupRequest("g", prompt, list(range(n)), sampling={
+        "temperature": 1.0, "ignore_eos": True, "max_new_tokens": cap if multi else turn_tokens}))
+    rollouts = list(gen.completions(timeout=1800))
+    wall = time.perf_counter() - t0
+    sampled = sum(sum(r.loss_mask) if r.loss_mask else len(r.completion_ids) for r in rollouts)
+    prompt_tokens = sum(r.episode.prompt_tokens for r in rollouts)
+    return {"wall_s": wall, "tokens_per_s": sampled / wall, "sampled": sampled,
+            "tool_s": sum(r.episode.tool_s for r in rollouts),
+            "cached_frac": sum(r.episode.cached_tokens for r in rollouts) / max(1, prompt_tokens)}
+
+
+def tool_overhead(calls: int) -> tuple[float, float]:
+    tool = PythonTool(timeout_s=10, max_tool_calls=calls + 1)
+    tool.reset({})
+    code = "print(1)"
+    turn = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+    env_s, bare_s = [], []
+    try:
+        for _ in range(calls):
+            t = time.perf_counter()
+            tool.step(turn)
+            env_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            tool._run(code)
+            bare_s.append(time.perf_counter() - t)
+    finally:
+        tool.close()
+    return statistics.median(env_s), statistics.median(bare_s)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--turn-tokens", type=int, default=48)
+    p.add_argument("--tool-ms", type=float, default=100.0)
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--calls", type=int, default=20)
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from support.models import make_tiny_llama
+    from support.runs import running_generator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_llama(Path(tmp) / "tiny")
+        tok = AutoTokenizer.from_pretrained(model)
+        newline = tok("\n", add_special_tokens=False).input_ids[0]
+        chat = ChatTurns(tok, get_template("none"), stop_ids=(newline,))
+        prompt = tok(tok.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False).input_ids
+        with running_generator(model, Path(tmp), group_size=args.episodes, threads=1) as gen:
+            run_mode(gen, prompt, 2, 2, 8, 0.0, chat)  # warm-up: server caches, first requests
+            multi, single = [], []
+            for _ in range(args.pairs):
+                multi.append(run_mode(gen, prompt, args.episodes, args.turns, args.turn_tokens,
+                                      args.tool_ms / 1000, chat))
+                single.append(run_mode(gen, prompt, args.episodes, 1, args.turns * args.turn_tokens, 0.0, chat))
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    decode_s = args.turn_tokens / (med(single, "tokens_per_s") / args.episodes)  # one turn, at this concurrency
+    print(f"episodes {args.episodes} x {args.turns} turns x {args.turn_tokens} tokens, tool {args.tool_ms:g} ms "
+          f"per call (a turn decodes in ~{decode_s * 1000:.0f} ms at this concurrency); {args.pairs} pairs")
+    print(f"  single-turn  {med(single, 'tokens_per_s'):8.1f} sampled tokens/s  ({med(single, 'sampled'):.0f} tokens)")
+    print(f"  multi-turn   {med(multi, 'tokens_per_s'):8.1f} sampled tokens/s  ({med(multi, 'sampled'):.0f} tokens)")
+    print(f"  ratio multi / single: {med(multi, 'tokens_per_s') / med(single, 'tokens_per_s'):.2f} (target >= 0.8)")
+    tool_share = med(multi, "tool_s") / args.episodes / med(multi, "wall_s")
+    print(f"  tool time per episode / multi-turn wall: {tool_share:.2f}; cached share of the turns' prompt "
+          f"tokens: {med(multi, 'cached_frac'):.2f}")
+    env_s, bare_s = tool_overhead(args.calls)
+    print(f"python tool, median of {args.calls} calls: PythonTool.step {env_s * 1000:.1f} ms, bare sandbox run "
+          f"{bare_s * 1000:.1f} ms, ratio {env_s / bare_s:.2f} (overhead {1000 * (env_s - bare_s):.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

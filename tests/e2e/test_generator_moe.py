@@ -13,6 +13,7 @@ Not Qwen2-MoE: SGLang gates its shared expert with a Triton-only kernel on CPU (
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -197,7 +198,7 @@ def ep2_trainer_rank(model_dir: str, url: str, tp_size: str, incarnation: str, v
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
-        Path(report_path).write_text(json.dumps({"push": report, "local_experts": [r[0] for r in ranks],
+        Path(report_path).write_text(json.dumps({"push": dataclasses.asdict(report), "local_experts": [r[0] for r in ranks],
                                                  "senders": [r[1] for r in ranks]}))
     destroy_parallel(destroy_process_group=True)
     print("WORKER OK", flush=True)

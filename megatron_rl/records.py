@@ -91,7 +91,7 @@ class GroupRequest:
         return cap | self.sampling
 
 
-EpisodeStop = Literal["done", "max_turns", "max_tokens", "abort", "env_error"]
+EpisodeStop = Literal["done", "max_turns", "max_tokens", "deadline", "abort", "env_error"]
 
 
 @dataclass
@@ -100,7 +100,7 @@ class EpisodeReport:
     and the environment's own verdict when it gave one. A single-turn sample is a one-turn episode."""
 
     turns: int = 1  # model turns sampled
-    stop: EpisodeStop = "done"  # done: the environment ended it; max_turns / max_tokens: a cap did
+    stop: EpisodeStop = "done"  # done: the environment ended it; max_turns / max_tokens / deadline: a cap did
     env_tokens: int = 0  # environment tokens in the completion (loss_mask 0)
     tool_calls: int = 0
     tool_errors: int = 0

@@ -21,6 +21,8 @@ class EnvConfig:
     max_turn_tokens: int | None = None
     # An observation message longer than this many tokens is cut, with a note saying so (the model sees the cut)
     max_observation_tokens: int = 1024
+    # Wall time of one episode after which no further turn starts (it is graded on its last turn); null: none
+    episode_timeout_s: float | None = None
     # Tool runs at once on a generator rank (the environments' shared ToolSlots); null: half its CPUs
     tool_concurrency: int | None = None
     # Episodes whose environment failed, in a row, that stop the run (each failed episode drops its group)
@@ -32,6 +34,8 @@ class EnvConfig:
         check(self.max_turn_tokens is None or self.max_turn_tokens >= 1, f"{key}.max_turn_tokens",
               "must be >= 1 or null (the stage's cap)")
         check(self.max_observation_tokens >= 16, f"{key}.max_observation_tokens", "must be >= 16")
+        check(self.episode_timeout_s is None or self.episode_timeout_s > 0, f"{key}.episode_timeout_s",
+              "must be > 0 or null (no deadline)")
         check(self.tool_concurrency is None or self.tool_concurrency >= 1, f"{key}.tool_concurrency",
               "must be >= 1 or null")
         check(self.max_consecutive_failures >= 1, f"{key}.max_consecutive_failures", "must be >= 1")

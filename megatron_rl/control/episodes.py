@@ -32,4 +32,5 @@ def episode_setup(cfg: Config, tokenizer) -> EpisodeSetup:
         shared_slots().resize(e.tool_concurrency)
     turns = ChatTurns(tokenizer, prompt_template(cfg)) if getattr(tokenizer, "chat_template", None) else None
     return EpisodeSetup(make_env=functools.partial(make_environment, e.name, e.args),
-                        limits=EpisodeLimits(e.max_turns, e.max_turn_tokens, e.max_observation_tokens), turns=turns)
+                        limits=EpisodeLimits(e.max_turns, e.max_turn_tokens, e.max_observation_tokens,
+                                                              e.episode_timeout_s), turns=turns)

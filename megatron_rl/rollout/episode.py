@@ -13,7 +13,8 @@ update inside a turn splits the turn's versions); environment tokens get loss_ma
 placeholders ENV_LOGPROB / ENV_VERSION. A turn after a weight update is a new request under the new
 cache salt (`PrefixCachePolicy`), so it prefills under the new weights instead of reusing old KV.
 
-Caps (the `env` config): `max_turns` model turns; the length stage's cap bounds every token after the
+Caps (the `env` config): `max_turns` model turns; `deadline_s` the episode's wall time (no turn starts
+after it); the length stage's cap bounds every token after the
 prompt (model and environment: the context the KV cache holds); `max_turn_tokens` one turn; an
 observation message longer than `max_observation_tokens` is cut with a note the model sees. An episode
 a cap ends is graded on its last turn. An environment that raises fails the episode (`report.error`):
@@ -38,6 +39,7 @@ class EpisodeLimits:
     max_turns: int = 1
     max_turn_tokens: int | None = None  # None: the stage's cap
     max_observation_tokens: int = 1024
+    deadline_s: float | None = None  # wall time of an episode after which no turn starts (None: none)
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ def _env(method, *args):
 
 def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns: ChatTurns | None) -> None:
     report = episode.report
+    deadline = None if limits.deadline_s is None else time.monotonic() + limits.deadline_s
     while True:
         room = cap - len(episode.ids)
         turn = sample(episode.prompt_ids + episode.ids, min(room, limits.max_turn_tokens or room))
@@ -149,6 +152,9 @@ def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns:
             return
         if report.turns >= limits.max_turns:
             report.stop = "max_turns"
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            report.stop = "deadline"
             return
         if turns is None:
             raise RuntimeError("the environment continues after a turn but the tokenizer has no chat template")

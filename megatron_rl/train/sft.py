@@ -4,7 +4,10 @@ The loss is cross-entropy on completion tokens only, normalised over all complet
 minibatch (the same per-token normaliser as the RL loss). Records (JSONL, one per line) are either
 - `{"prompt": str, "completion": str}` (prompt rendered with the tokenizer's chat template when it has
   one, as a single user turn with the generation prompt), or
-- `{"messages": [{"role": ..., "content": ...}, ...]}` whose last message is the assistant's answer, or
+- `{"messages": [{"role": ..., "content": ...}, ...]}` whose last message is the assistant's answer; a
+  trace of several turns (assistant, tool or user, assistant, ...) is laid out as an episode is
+  (`data.turns.ChatTurns`): each assistant message and its stop token are trained, the messages
+  between them are rendered once by the chat template and carry no loss (`loss_mask` 0), or
 - `{"prompt_ids": [int], "completion_ids": [int]}` (already tokenised).
 The completion ends with the tokenizer's EOS token so the model learns to stop.
 """
@@ -23,6 +26,7 @@ from megatron_rl.records import TrainSequence
 class SFTExample:
     prompt_ids: list[int]
     completion_ids: list[int]
+    loss_mask: list[int] | None = None  # a multi-turn trace: 0 on the messages between assistant turns
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -53,6 +57,9 @@ def tokenize_record(record: dict[str, Any], tokenizer=None) -> SFTExample:
         msgs = record["messages"]
         if not msgs or msgs[-1].get("role") != "assistant":
             raise ValueError("a `messages` record must end with the assistant's message")
+        first = next(i for i, m in enumerate(msgs) if m.get("role") == "assistant")
+        if first < len(msgs) - 1:
+            return _episode(tokenizer, msgs, first)
         prompt, completion = _render_prompt(tokenizer, msgs[:-1]), msgs[-1]["content"]
     elif "prompt" in record and "completion" in record:
         prompt = _render_prompt(tokenizer, [{"role": "user", "content": record["prompt"]}])
@@ -65,6 +72,31 @@ def tokenize_record(record: dict[str, Any], tokenizer=None) -> SFTExample:
     return SFTExample(list(prompt), list(comp))
 
 
+def _episode(tokenizer, msgs: list[dict[str, str]], first: int) -> SFTExample:
+    """A trace of several assistant turns, as the turn loop builds an episode: the prompt up to the first
+    assistant message, then each assistant message's ids and stop token (trained) and the ids of the
+    messages after it (the template's rendering, not trained)."""
+    from megatron_rl.data.prompts import get_template
+    from megatron_rl.data.turns import ChatTurns
+
+    turns = ChatTurns(tokenizer, get_template("none"))
+    ids: list[int] = []
+    mask: list[int] = []
+    i = first
+    while i < len(msgs):
+        sampled = tokenizer(msgs[i]["content"], add_special_tokens=False)["input_ids"] + [turns.stop_ids[0]]
+        j = i + 1
+        while j < len(msgs) and msgs[j].get("role") != "assistant":
+            j += 1
+        between = turns.observation_ids(msgs[i + 1:j]) if j > i + 1 else []
+        if j < len(msgs) and not between:
+            raise ValueError(f"messages[{i}] and messages[{j}] are two assistant messages in a row")
+        ids += sampled + between
+        mask += [1] * len(sampled) + [0] * len(between)
+        i = j
+    return SFTExample(_render_prompt(tokenizer, msgs[:first]), ids, mask)
+
+
 def to_sequences(examples: Iterable[SFTExample], max_tokens: int) -> tuple[list[TrainSequence], int]:
     """TrainSequences (completions truncated to fit `max_tokens`); returns (sequences, n_dropped)."""
     seqs, dropped = [], 0
@@ -74,8 +106,12 @@ def to_sequences(examples: Iterable[SFTExample], max_tokens: int) -> tuple[list[
             dropped += 1
             continue
         comp = ex.completion_ids[:room]
+        mask = None if ex.loss_mask is None else ex.loss_mask[:room]
+        if mask is not None and not any(mask):
+            dropped += 1
+            continue
         seqs.append(TrainSequence(token_ids=ex.prompt_ids + comp, prompt_len=len(ex.prompt_ids),
-                                  behaviour_logprobs=[0.0] * len(comp), advantage=0.0))
+                                  behaviour_logprobs=[0.0] * len(comp), advantage=0.0, loss_mask=mask))
     return seqs, dropped
 
 

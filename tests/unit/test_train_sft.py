@@ -68,6 +68,29 @@ def test_tokenize_record_forms(tiny_llama_dir):
     assert dropped == 1 and len(seqs[0].token_ids) == 8 and seqs[0].prompt_len == 3
 
 
+def test_a_multi_turn_trace_trains_the_assistant_turns_only():
+    """A trace with a tool call: its ids are the template's rendering of the whole conversation (as an
+    episode lays it out), and the loss mask is 1 exactly on the assistant messages and their stop tokens."""
+    from megatron_rl.train.hf_source import resolve_model
+
+    tok = resolve_model("smollm2-135m").tokenizer()
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(123 * 456)"}}</tool_call>'
+    msgs = [{"role": "user", "content": "What is 123 * 456?"}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": "56088"}, {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "Yes: \\boxed{56088}"}]
+    ex = tokenize_record({"messages": msgs}, tok)
+    whole = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False).input_ids
+    assert ex.prompt_ids + ex.completion_ids == whole[:-1]  # the template's newline after the last stop token
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    trained = [t for t, m in zip(ex.completion_ids, ex.loss_mask) if m]
+    assert trained == tok(call, add_special_tokens=False).input_ids + [end] + \
+        tok("Yes: \\boxed{56088}", add_special_tokens=False).input_ids + [end]
+    (seq,), _ = to_sequences([ex], max_tokens=4096)
+    assert seq.loss_mask == ex.loss_mask and seq.n_loss_tokens == len(trained)
+    with pytest.raises(ValueError, match="two assistant messages in a row"):
+        tokenize_record({"messages": msgs[:2] + [{"role": "assistant", "content": "again"}]}, tok)
+
+
 def test_sft_cli_trains_logs_and_checkpoints(tiny_llama_dir, tmp_path):
     from megatron_rl import cli
     from megatron_rl.train.checkpoint import read_common

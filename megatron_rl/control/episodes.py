@@ -9,8 +9,9 @@ import functools
 
 from megatron_rl.config import Config
 from megatron_rl.data.prompts import PromptTemplate, get_template
-from megatron_rl.data.turns import ChatTurns
+from megatron_rl.data.turns import ChatTurns, TemplateError
 from megatron_rl.env import load_environment, make_environment, shared_slots
+from megatron_rl.errors import InputError
 from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup
 
 
@@ -31,6 +32,13 @@ def episode_setup(cfg: Config, tokenizer) -> EpisodeSetup:
     if e.tool_concurrency is not None:
         shared_slots().resize(e.tool_concurrency)
     turns = ChatTurns(tokenizer, prompt_template(cfg)) if getattr(tokenizer, "chat_template", None) else None
+    if e.name != "single_turn":  # an environment may answer a turn: the template must continue one, say so now
+        try:
+            if turns is None:
+                raise TemplateError("the tokenizer has no chat template to render observations with")
+            turns.observation_ids([{"role": "user", "content": "probe"}])
+        except TemplateError as err:
+            raise InputError(f"env.name: {e.name} plays multi-turn episodes, but {err}") from None
     return EpisodeSetup(make_env=functools.partial(make_environment, e.name, e.args),
                         limits=EpisodeLimits(e.max_turns, e.max_turn_tokens, e.max_observation_tokens,
                                                               e.episode_timeout_s), turns=turns)

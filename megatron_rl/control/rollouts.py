@@ -99,6 +99,7 @@ class RolloutFlow:
         # system prompt (name, text or file), chat-template kwargs and the environment's tools
         self.template = prompt_template(cfg)
         self.max_env_failures = cfg.env.max_consecutive_failures
+        self.send_task = cfg.env.name != "single_turn"  # the single-turn task never reads it (code tests are large)
         self.env_failures_in_a_row = 0
         self.length_stages = length_stages(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
                                            cfg.reward)
@@ -160,7 +161,7 @@ class RolloutFlow:
         groups = self.groups_of(group_id)
         problem = groups.problem(group_id)
         return GroupRequest(group_id, self.prompt_ids[group_id], list(indices), self.stage(), dict(groups.sampling),
-                            task=dict(problem.task) if problem is not None else {})
+                            task=dict(problem.task) if self.send_task and problem is not None else {})
 
     def _requests(self, keys: list[Key]) -> list[GroupRequest]:
         """Samples by (group id, index), as one request per group (in the order the groups first appear)."""

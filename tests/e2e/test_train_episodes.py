@@ -45,10 +45,13 @@ def test_two_updates_of_echo_episodes(tmp_path, tiny_llama_dir, free_port):
     rows = read_jsonl(tmp_path / "run" / METRICS_FILE)
     assert [r["update"] for r in rows] == [1, 2]
     for r in rows:
+        # the loss counts the model's tokens of the batch, not its environment tokens
+        assert r["train/loss_tokens"] == r["batch/loss_tokens"] < r["batch/tokens"]
+    graded = [r for r in rows if r["rollouts"]]  # a line whose window graded nothing has no episode stats
+    assert graded
+    for r in graded:
         # echo ends an episode after 2 turns; one whose echo would overflow the 64-token cap ends after 1
         assert 1 < r["episode/turns"] <= 2 and r["episode/env_failed"] == 0
         assert r["episode/stop/done"] + r.get("episode/stop/max_tokens", 0) == pytest.approx(1.0)
         assert 0 < r["episode/env_token_frac"] < 1
-        # the loss counts the model's tokens of the batch, not its environment tokens
-        assert r["train/loss_tokens"] == r["batch/loss_tokens"] < r["batch/tokens"]
         assert r["episode/cached_prefix_frac"] > 0  # the second turn reuses the first's prefix

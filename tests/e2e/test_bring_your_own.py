@@ -12,11 +12,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
-from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from support.hf_cache import cache_model
-from support.runs import launch_train
+from support.runs import train_to_the_end
 
 pytestmark = pytest.mark.timeout(900)
 PLUGINS = Path(__file__).resolve().parents[1] / "support" / "reward_plugins.py"
@@ -43,11 +41,7 @@ def test_hub_model_parquet_chat_data_and_reward_plugin(tmp_path, tiny_llama_dir,
                  "answer_key": "reward_model.ground_truth", "system_prompt_file": str(tmp_path / "system.txt")},
         "run": {"output_dir": str(tmp_path / "run"), "updates": 2, "checkpoint_every": 0},
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    proc = launch_train(tmp_path / "run.yaml")
-    out, _ = proc.communicate(timeout=800)
-    assert proc.returncode == 0, out[-6000:]
-    metrics = read_jsonl(tmp_path / "run" / METRICS_FILE)
+    metrics = train_to_the_end(tmp_path, cfg)
     assert [r["update"] for r in metrics] == [1, 2]
     groups = [json.loads(line) for line in (tmp_path / "run" / "groups.jsonl").read_text().splitlines()]
     kept = [g for g in groups if g["fate"] == "kept"]

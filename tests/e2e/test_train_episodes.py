@@ -8,11 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
-from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from megatron_rl.data.synthetic import addition_problems
-from support.runs import launch_train
+from support.runs import train_to_the_end
 
 pytestmark = pytest.mark.timeout(900)
 PLUGINS = Path(__file__).resolve().parents[1] / "support" / "reward_plugins.py"
@@ -38,11 +36,7 @@ def test_two_updates_of_echo_episodes(tmp_path, tiny_llama_dir, free_port):
                  "system_prompt": "none"},
         "run": {"output_dir": str(tmp_path / "run"), "updates": 2, "checkpoint_every": 0},
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    proc = launch_train(tmp_path / "run.yaml")
-    out, _ = proc.communicate(timeout=800)
-    assert proc.returncode == 0, out[-6000:]
-    rows = read_jsonl(tmp_path / "run" / METRICS_FILE)
+    rows = train_to_the_end(tmp_path, cfg)
     assert [r["update"] for r in rows] == [1, 2]
     for r in rows:
         # the loss counts the model's tokens of the batch, not its environment tokens

@@ -40,3 +40,18 @@ def launch_train(config: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", str(config), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+
+
+def train_to_the_end(run_dir: Path, cfg: dict, timeout_s: float = 800) -> list[dict]:
+    """Write `cfg` as `run_dir`/run.yaml, run `megatron-rl train` on it to its end (exit status 0, else
+    the output's tail in the failure) and return the metrics lines of `run.output_dir`."""
+    import yaml
+
+    from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
+
+    config = Path(run_dir) / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc = launch_train(config)
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out[-6000:]
+    return read_jsonl(Path(cfg["run"]["output_dir"]) / METRICS_FILE)

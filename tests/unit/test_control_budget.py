@@ -261,5 +261,5 @@ def test_batch_stats_count_the_staleness_of_every_token():
         b.add_graded(Rollout(g, i, [1], [5] * len(vs), [-0.1] * len(vs), vs, "stop", reward=float(i)))
     stats = batch_stats(b.take_batch(trainer_version=3))
     lags = [3 - v for vs in versions for v in vs]
-    assert stats == {"batch/sequences": 4, "batch/tokens": len(lags),
+    assert stats == {"batch/sequences": 4, "batch/tokens": len(lags), "batch/loss_tokens": len(lags),
                      "batch/staleness_mean": pytest.approx(sum(lags) / len(lags)), "batch/staleness_max": 3}

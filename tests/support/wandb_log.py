@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
@@ -45,14 +46,24 @@ def records(path: Path) -> list[bytes]:
     return out
 
 
-def history(path: Path) -> list[tuple[int, dict]]:
-    """(step, {key: value}) of every `run.log` in the file, in order."""
+def history(path: Path, wait_s: float = 60.0) -> list[tuple[int, dict]]:
+    """(step, {key: value}) of every `run.log` in the file, in order. The file is written by wandb's own
+    service process, which may still be writing it after `run.finish()` returned in ours (seen under
+    load: only the file header on disk): wait up to `wait_s` for the run's exit record."""
     from wandb.proto import wandb_internal_pb2 as pb
 
+    deadline = time.monotonic() + wait_s
+    while True:
+        parsed = []
+        for raw in records(path):
+            record = pb.Record()
+            record.ParseFromString(raw)
+            parsed.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in parsed) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     out = []
-    for raw in records(path):
-        record = pb.Record()
-        record.ParseFromString(raw)
+    for record in parsed:
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                      for item in record.history.item}

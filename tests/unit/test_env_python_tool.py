@@ -35,7 +35,9 @@ def contents(result: StepResult) -> list[str]:
 
 @pytest.fixture
 def env():
-    e = PythonTool(timeout_s=2.0, slots=ToolSlots(2))
+    # a limit far above a call's start-up in the sandbox on a loaded machine: only the timeout test's
+    # own tool has a short one
+    e = PythonTool(timeout_s=30.0, slots=ToolSlots(2))
     e.reset(TASK)
     yield e
     e.close()
@@ -109,13 +111,15 @@ def test_files_persist_across_calls_variables_do_not(env):
 
 @needs_sandbox
 def test_timeout_and_exception_are_observations(env):
-    slow = env.step(call("print('started', flush=True)\nwhile True:\n    pass"))
-    (text,) = contents(slow)
-    assert text.startswith("started\n") and "[timeout: the program ran past the 2 s limit and was stopped]" in text
-    assert not slow.done and slow.info["tool_statuses"] == ["timeout"] and slow.info["tool_timeouts"] == 1
-    asleep = env.step(call("import time\ntime.sleep(30)"))  # wall clock, not CPU
-    assert contents(asleep) == ["[timeout: the program ran past the 2 s limit and was stopped]"]
-    assert asleep.info["tool_s"] < 10
+    with PythonTool(timeout_s=4.0, slots=ToolSlots(1)) as short:
+        short.reset(TASK)
+        slow = short.step(call("print('started', flush=True)\nwhile True:\n    pass"))
+        (text,) = contents(slow)
+        assert text.startswith("started\n") and "[timeout: the program ran past the 4 s limit and was stopped]" in text
+        assert not slow.done and slow.info["tool_statuses"] == ["timeout"] and slow.info["tool_timeouts"] == 1
+        asleep = short.step(call("import time\ntime.sleep(60)"))  # wall clock, not CPU
+        assert contents(asleep) == ["[timeout: the program ran past the 4 s limit and was stopped]"]
+        assert asleep.info["tool_s"] < 30
     boom = env.step(call("print('before')\n1 / 0"))
     (text,) = contents(boom)
     assert text.startswith("before\nTraceback (most recent call last):")
@@ -162,7 +166,7 @@ def test_no_network(env):
 @needs_sandbox
 def test_workspaces_are_private_and_close_removes_them():
     slots = ToolSlots(2)
-    a, b = PythonTool(slots=slots), PythonTool(slots=slots)
+    a, b = PythonTool(timeout_s=30.0, slots=slots), PythonTool(timeout_s=30.0, slots=slots)
     a.reset(TASK)
     b.reset(TASK)
     try:
@@ -206,7 +210,7 @@ def test_invalid_calls_and_the_call_limit():
 @pytest.mark.parametrize("limit", [1, 2])
 def test_concurrent_runs_are_capped_by_the_shared_slots(limit):
     slots = ToolSlots(limit)
-    envs = [PythonTool(slots=slots) for _ in range(2)]
+    envs = [PythonTool(timeout_s=30.0, slots=slots) for _ in range(2)]
     results: list[StepResult] = []
     start = threading.Barrier(2)
 

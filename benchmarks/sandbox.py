@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from megatron_rl.reward.code import CodeLimits, Toolchain, _rlimits, run_tests
+from megatron_rl.reward.code import CodeLimits, Toolchain, rlimits, run_tests
 from megatron_rl.reward.sandbox import BOX, available
 
 PY_ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -41,7 +41,7 @@ def main() -> int:
         print(f"sandbox unavailable: {why}")
         return 1
     lim = CodeLimits()
-    rl = _rlimits(lim, lim.test_timeout_s, lim.memory_mb, lim.fsize_mb)
+    rl = rlimits(lim, lim.test_timeout_s, lim.memory_mb, lim.fsize_mb)
     stdin = b"123 456\n"
     with tempfile.TemporaryDirectory() as host_dir, jail.workspace() as ws:
         for d in (host_dir, ws):  # same program in both places: host path and /box

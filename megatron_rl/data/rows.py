@@ -4,11 +4,14 @@ reads a nested field, e.g. verl's `reward_model.ground_truth`).
 
 A row gives its prompt as text or as chat messages (a list of {role, content}), and its task either
 whole (a `task` column in the schema of megatron_rl.reward.types) or through those columns (kind
-`code` when it has tests, else `math`). Columns nothing else reads go under the task's `meta`, where a
-`reward.custom` plug-in finds them. Errors name the row (`where`) and the config key of the column.
+`code` when it has tests, else `math`; the tests may be JSON text, and `entry_point_key` names the
+function of HumanEval-style `check(candidate)` tests). Columns nothing else reads go under the task's
+`meta`, where a `reward.custom` plug-in finds them. Errors name the row (`where`) and the config key
+of the column.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from megatron_rl.config.data import DataConfig
@@ -79,11 +82,39 @@ def _task(row: dict, prompt: str, where: str, cfg: DataConfig) -> tuple[dict[str
         if tests is _MISSING:
             raise DataError(f"{where}: tests column {cfg.tests_key!r} (data.tests_key) is missing: a code "
                             f"problem needs its tests")
-        task["tests"] = tests
-        language = field_at(row, cfg.language_key)
-        if language is not _MISSING:
-            task["language"] = language
-    return task, {"kind", cfg.answer_key, cfg.tests_key, cfg.language_key}
+        task["tests"] = _json_text(tests, where, cfg)
+        for key, column in (("language", cfg.language_key), ("entry_point", cfg.entry_point_key)):
+            value = field_at(row, column)
+            if value is not _MISSING:
+                task[key] = value
+    return task, {"kind", cfg.answer_key, cfg.tests_key, cfg.language_key, cfg.entry_point_key}
+
+
+def _json_text(tests: Any, where: str, cfg: DataConfig) -> Any:
+    """Tests stored as JSON text (a parquet column cannot hold arguments of mixed types), decoded; any
+    other text is assert code."""
+    if not (isinstance(tests, str) and tests.lstrip()[:1] in ("[", "{")):
+        return tests
+    try:
+        return json.loads(tests)
+    except ValueError as e:
+        raise DataError(f"{where}: tests column {cfg.tests_key!r} (data.tests_key) holds text that starts like "
+                        f"JSON but is not: {e}") from None
+
+
+# the column (and its config key) a task key comes from, for errors
+_COLUMNS = {"tests": ("tests_key", "tests"), "entry_point": ("entry_point_key", "entry point"),
+            "language": ("language_key", "language"), "answer": ("answer_key", "answer")}
+
+
+def _task_error(e: Exception, where: str, cfg: DataConfig, from_columns: bool) -> DataError:
+    """The task's schema error, naming the column and config key it came from when it names a task key."""
+    key = getattr(e, "key", None)
+    if not from_columns or key not in _COLUMNS:
+        return DataError(f"{where}: {e}")
+    setting, what = _COLUMNS[key]
+    return DataError(f"{where}: {what} column {getattr(cfg, setting)!r} (data.{setting}): "
+                     f"{str(e).removeprefix('code task: ').removeprefix('math task: ')}")
 
 
 def problem_from_row(row: Any, where: str, default_id: str, cfg: DataConfig) -> Problem:
@@ -103,7 +134,7 @@ def problem_from_row(row: Any, where: str, default_id: str, cfg: DataConfig) -> 
     try:
         parse_task(task)
     except TaskError as e:
-        raise DataError(f"{where}: {e}") from None
+        raise _task_error(e, where, cfg, "task" not in row) from None
     language = row.get("lang")
     return Problem(str(row.get("id", default_id)), prompt, task, language if isinstance(language, str) else None,
                    messages)

@@ -147,6 +147,7 @@ def iter_problems(cfg: DataConfig) -> Iterator[Problem]:
         from megatron_rl.data.champ import champ_problems
 
         yield from champ_problems()[: cfg.size]
-    else:  # humaneval: graded by its own harness (data/humaneval.py), not by reward.score
+    else:  # humaneval: the held-out benchmark (data/humaneval.py grades it as the reward grades call tests)
         raise DataError("data source 'humaneval' is evaluation-only (megatron-rl evaluate --source humaneval): "
-                        "its tests are a Python check() harness that the training reward does not run")
+                        "it is the held-out benchmark; train on problems of its form from a jsonl/parquet file "
+                        "(tests = check(candidate) code, entry_point column)")

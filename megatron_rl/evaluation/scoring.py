@@ -2,8 +2,9 @@
 
 `grade_samples(problems, samples, reward_config, workers)` grades every completion: math and
 stdin/stdout code tasks through `reward.VerifierPool` (correct = the reward's `correct`, so the
-format gate applies exactly as in training), HumanEval tasks through `data.humaneval.grade` (its
-own harness; threads, each test already runs in its own sandboxed process).
+format gate applies exactly as in training), HumanEval tasks through `data.humaneval.grade` (the
+training reward's function-call grading, without the format gate; threads: each sample is already
+graded in its own sandboxed process).
 `summarize(rows, ks)` computes per problem n graded samples, c correct, and
 - pass@1 = mean over problems of c / n (the mean over the samples),
 - pass@k = mean over problems of 1 - C(n - c, k) / C(n, k) (the unbiased estimator of Chen et
@@ -98,7 +99,6 @@ def problem_result(p: Problem, verdicts: list[Verdict], language: str | None = N
 def grade_samples(problems: list[Problem], samples: dict[str, list[Completion]],
                   reward: RewardConfig | None = None, workers: int = 2) -> list[ProblemResult]:
     from megatron_rl.data.humaneval import grade as grade_humaneval, is_humaneval
-    from megatron_rl.reward.code import SANDBOX_UNAVAILABLE
     from megatron_rl.reward.pool import VerifierPool
 
     reward = reward or RewardConfig()
@@ -125,14 +125,14 @@ def grade_samples(problems: list[Problem], samples: dict[str, list[Completion]],
     if he_items:
         with ThreadPoolExecutor(max(1, workers)) as ex, Progress(len(he_items), "grading", unit="sample") as bar:
             def one(item):
-                result = grade_humaneval(item[0].task, item[2].response, reward.code_test_timeout_s * 2.5)
+                result = grade_humaneval(item[0].task, item[2].response, reward)
                 bar.update(1)
                 return result
 
             results = list(ex.map(one, he_items))
         for (p, j, _), r in zip(he_items, results):
             verdicts[(p.problem_id, j)] = Verdict(r.passed, r.status != "no_code", None, r.status,
-                                                  gradable=r.status != SANDBOX_UNAVAILABLE)
+                                                  gradable=r.gradable)
     return [problem_result(p, [verdicts[(p.problem_id, j)] for j in range(len(samples[p.problem_id]))])
             for p in problems]
 

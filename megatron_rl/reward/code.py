@@ -63,10 +63,9 @@ class CodeLimits:
     @classmethod
     def from_config(cls, cfg, **overrides) -> "CodeLimits":
         """From a ``megatron_rl.config.RewardConfig`` (values passed in, no global state)."""
-        return cls(compile_timeout_s=cfg.code_compile_timeout_s,
-                   test_timeout_s=cfg.code_test_timeout_s, max_tests=cfg.code_max_tests,
-                   memory_mb=cfg.code_memory_mb, max_output_bytes=cfg.code_max_output_bytes,
-                   **overrides)
+        return cls(**{"compile_timeout_s": cfg.code_compile_timeout_s, "test_timeout_s": cfg.code_test_timeout_s,
+                      "max_tests": cfg.code_max_tests, "memory_mb": cfg.code_memory_mb,
+                      "max_output_bytes": cfg.code_max_output_bytes, **overrides})
 
 
 @dataclass
@@ -82,6 +81,7 @@ class CodeResult:
     test_s: list[float] = field(default_factory=list)  # wall time of each test run
     total_s: float = 0.0
     sandboxed: bool = True  # False only with allow_unsandboxed=True on a host without a sandbox
+    test_statuses: list[str] = field(default_factory=list)  # function-call tests: the status of each test
 
     @property
     def graded(self) -> bool:
@@ -108,6 +108,24 @@ class Toolchain:
 
 
 _JAILS: dict[tuple[Toolchain, str], Jail] = {}
+
+
+def limits_with(limits: CodeLimits | None, overrides: dict) -> CodeLimits:
+    """``limits`` (default CodeLimits()) with some fields replaced (TypeError for an unknown one)."""
+    lim = limits or CodeLimits()
+    return CodeLimits(**{**lim.__dict__, **overrides}) if overrides else lim
+
+
+def sandbox_for(tc: Toolchain, kind: str, lim: CodeLimits) -> tuple[Jail | None, bool, str]:
+    """(jail, sandboxed, why) for running ``kind`` ("python" / "cpp") programs: jail None and the reason
+    when no sandbox runs here; a bare jail (sandboxed False) only with lim.allow_unsandboxed."""
+    jail = _JAILS.setdefault((tc, kind), tc.jail(kind))
+    ok, why = available(jail)
+    if ok:
+        return jail, True, ""
+    if not lim.allow_unsandboxed:
+        return None, True, why
+    return Jail(bare=True, ro_paths=jail.ro_paths), False, ""
 
 
 def normalize_output(text: str | bytes) -> list[str]:
@@ -141,7 +159,7 @@ def _tail(b: bytes, n: int = 600) -> str:
     return b.decode("utf-8", errors="replace")[-n:]
 
 
-def _rlimits(lim: CodeLimits, timeout_s: float, memory_mb: int, fsize_mb: int) -> RLimits:
+def rlimits(lim: CodeLimits, timeout_s: float, memory_mb: int, fsize_mb: int) -> RLimits:
     return RLimits(cpu_s=max(1, math.ceil(timeout_s)), memory_mb=memory_mb, nproc=lim.nproc,
                    fsize_mb=fsize_mb, nofile=64, stack_mb=min(256, memory_mb // 2))
 
@@ -183,9 +201,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
     if not isinstance(code, str):
         raise ValueError(f"code must be str, got {type(code).__name__}")
     checked = _check_tests(tests)
-    lim = limits or CodeLimits()
-    if overrides:
-        lim = CodeLimits(**{**lim.__dict__, **overrides})
+    lim = limits_with(limits, overrides)
     tc = toolchain or Toolchain()
     checked = checked[: lim.max_tests]
     n = len(checked)
@@ -199,25 +215,21 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
 
     if tag not in PYTHON_TAGS and tag not in CPP_TAGS:
         return done("unsupported_language", n_passed=0, message=f"language {language!r}")
-    kind = "python" if tag in PYTHON_TAGS else "cpp"
-    jail = _JAILS.setdefault((tc, kind), tc.jail(kind))
-    ok, why = available(jail)
-    if not ok and not lim.allow_unsandboxed:
+    jail, sandboxed, why = sandbox_for(tc, "python" if tag in PYTHON_TAGS else "cpp", lim)
+    if jail is None:
         return done(SANDBOX_UNAVAILABLE, n_passed=0, message=why)
-    if not ok:
-        sandboxed, jail = False, Jail(bare=True, ro_paths=jail.ro_paths)
 
     compile_s = 0.0
     with jail.workspace() as ws:
         if tag in PYTHON_TAGS:
-            _write(ws, "main.py", code)
+            write_file(ws, "main.py", code)
             cmd = [tc.python, "-I", f"{BOX}/main.py"]
         else:
             if tc.gxx is None:
                 return done(SANDBOX_UNAVAILABLE, n_passed=0, message="g++ not found")
-            _write(ws, "main.cpp", code)
+            write_file(ws, "main.cpp", code)
             comp = jail.run([tc.gxx, f"-std={CPP_TAGS[tag]}", "-O2", "-pipe", "-o", f"{BOX}/prog",
-                             f"{BOX}/main.cpp"], rlimits=_rlimits(lim, lim.compile_timeout_s,
+                             f"{BOX}/main.cpp"], rlimits=rlimits(lim, lim.compile_timeout_s,
                             lim.compile_memory_mb, 256), wall_s=lim.compile_timeout_s,
                             max_output=64 << 10, workspace=ws, writable=True, cwd=BOX)
             compile_s = comp.wall_s
@@ -229,7 +241,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
                             message=comp.setup_error or _tail(comp.stderr))
             cmd = [f"{BOX}/prog"]
 
-        rl = _rlimits(lim, lim.test_timeout_s, lim.memory_mb, lim.fsize_mb)
+        rl = rlimits(lim, lim.test_timeout_s, lim.memory_mb, lim.fsize_mb)
         times: list[float] = []
         for i, (inp, expected) in enumerate(checked):
             out = jail.run(cmd, stdin=inp, rlimits=rl, wall_s=lim.test_timeout_s,
@@ -255,7 +267,8 @@ def _short(s: str | bytes, n: int = 120) -> str:
     return s if len(s) <= n else s[:n] + "..."
 
 
-def _write(ws: str, name: str, text: str) -> None:
+def write_file(ws: str, name: str, text: str) -> None:
+    """A file of the workspace, readable by the sandbox uid."""
     path = os.path.join(ws, name)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

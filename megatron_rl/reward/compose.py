@@ -51,10 +51,14 @@ def code_limits(cfg: RewardConfig, run_tests) -> dict[str, Any]:
 
 
 def _grade_code(task: CodeTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
+    from megatron_rl.reward.calls import run_call_tests
     from megatron_rl.reward.code import run_tests
 
-    tests = list(task.tests[:cfg.code_max_tests])  # Magistral: at most 20 tests, all must pass
-    result = run_tests(fmt.code, tests, language=task.language, **code_limits(cfg, run_tests))
+    if task.calls is not None:  # function-call tests: one sandboxed process, results compared here
+        result = run_call_tests(fmt.code, task.calls, **code_limits(cfg, run_call_tests))
+    else:
+        tests = list(task.tests[:cfg.code_max_tests])  # Magistral: at most 20 tests, all must pass
+        result = run_tests(fmt.code, tests, language=task.language, **code_limits(cfg, run_tests))
     details = {"code_status": str(result.status), "n_passed": int(result.n_passed), "n_tests": int(result.n_tests)}
     if not result.graded:  # the program never ran: score() reports a grading failure, not a wrong answer
         details["sandbox_error"] = result.message

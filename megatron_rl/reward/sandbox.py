@@ -58,6 +58,7 @@ class RunOutcome:
     timed_out: bool = False  # wall-clock deadline hit (the namespace was killed)
     output_exceeded: bool = False  # stdout + stderr passed the byte cap (killed)
     setup_error: str | None = None  # the sandbox itself failed: the program never ran
+    stopped: bool = False  # the caller's on_stdout watcher ended it (it had every result it needed)
 
     @property
     def signal(self) -> int | None:
@@ -132,14 +133,16 @@ class Jail:
     # ------------------------------------------------------------------ run
     def run(self, cmd: list[str], *, stdin: bytes = b"", rlimits: RLimits, wall_s: float,
             max_output: int, workspace: str | None = None, writable: bool = False,
-            cwd: str = "/tmp") -> RunOutcome:
-        """Run ``cmd`` in a fresh sandbox; never raises for anything the program does."""
+            cwd: str = "/tmp", on_stdout=None) -> RunOutcome:
+        """Run ``cmd`` in a fresh sandbox; never raises for anything the program does. ``on_stdout``:
+        sandbox_proc.collect's watcher of stdout (fresh deadlines per result, STOP when done)."""
         ok, why = (True, "") if self.bare else available(self)
         if not ok:
             return RunOutcome(None, b"", b"", 0.0, setup_error=why)
-        return self._run(cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd)
+        return self._run(cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd, on_stdout)
 
-    def _run(self, cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd) -> RunOutcome:
+    def _run(self, cmd, stdin, rlimits, wall_s, max_output, workspace, writable, cwd,
+             on_stdout=None) -> RunOutcome:
         become_subreaper()
         uid = self.uid()
         preexec = make_preexec(rlimits, uid, hide_plan(list(self.ro_paths), uid or 0))
@@ -182,7 +185,7 @@ class Jail:
                 state["init"].kill()
 
         try:
-            c = collect(proc, status_r, wall_s, max_output, on_status, kill)
+            c = collect(proc, status_r, wall_s, max_output, on_status, kill, on_stdout=on_stdout)
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -194,11 +197,13 @@ class Jail:
             proc.stderr.close()
             if state["init"] is not None:
                 state["init"].reap()
-        if self.bare and proc.returncode is not None and not (c.timed_out or c.output_exceeded):
+        ended_by_us = c.timed_out or c.output_exceeded or c.stopped
+        if self.bare and proc.returncode is not None and not ended_by_us:
             rc = proc.returncode
             state["exit"] = 128 - rc if rc < 0 else rc
-        out = RunOutcome(state["exit"], c.stdout, c.stderr, c.wall_s, c.timed_out, c.output_exceeded)
-        if out.exit_code is None and not (c.timed_out or c.output_exceeded):
+        out = RunOutcome(state["exit"], c.stdout, c.stderr, c.wall_s, c.timed_out, c.output_exceeded,
+                         stopped=c.stopped)
+        if out.exit_code is None and not ended_by_us:
             msg = c.stderr.decode(errors="replace").strip() or f"bwrap exited {proc.returncode}"
             out.setup_error = msg[-500:]
         return out

@@ -163,13 +163,20 @@ class Collected:
     timed_out: bool
     output_exceeded: bool
     wall_s: float
+    stopped: bool = False  # the watcher (on_stdout) ended the run: it had what it needed
+
+
+STOP = -1.0  # returned by an on_stdout watcher: end the run now (not a timeout)
 
 
 def collect(proc, status_r: int, wall_s: float, max_output: int, on_status, kill,
-            stderr_tail: int = 4096) -> Collected:
+            stderr_tail: int = 4096, on_stdout=None) -> Collected:
     """Read stdout/stderr/status until all close or a limit trips. ``on_status(bytes_so_far)`` is
     called as status data arrives; ``kill()`` is called once on wall timeout or when stdout+stderr
-    exceed ``max_output`` bytes, and reading then continues to EOF (the namespace is dead)."""
+    exceed ``max_output`` bytes, and reading then continues to EOF (the namespace is dead).
+    ``on_stdout(chunk)``, when given, sees each stdout chunk as it arrives and returns None, a new
+    deadline (a time.perf_counter() value: a program reporting progress gets a fresh time limit), or
+    STOP to end the run at once."""
     t0 = time.perf_counter()
     deadline = t0 + wall_s
     sel = selectors.DefaultSelector()
@@ -178,7 +185,7 @@ def collect(proc, status_r: int, wall_s: float, max_output: int, on_status, kill
         os.set_blocking(f, False)
         sel.register(f, selectors.EVENT_READ, name)
     n_out = 0
-    timed_out = exceeded = killed = False
+    timed_out = exceeded = killed = stopped = False
     try:
         while sel.get_map():
             remaining = deadline - time.perf_counter()
@@ -207,9 +214,16 @@ def collect(proc, status_r: int, wall_s: float, max_output: int, on_status, kill
                 if n_out > max_output:
                     exceeded = killed = True
                     kill()
+                elif name == "out" and on_stdout is not None:
+                    new_deadline = on_stdout(chunk)
+                    if new_deadline == STOP:
+                        stopped = killed = True
+                        kill()
+                    elif new_deadline is not None:
+                        deadline = new_deadline
             if killed and time.perf_counter() > deadline + 5:
                 break  # something holds a pipe open outside the namespace: give up on EOF
     finally:
         sel.close()
     return Collected(bytes(bufs["out"][:max_output]), bytes(bufs["err"][-stderr_tail:]),
-                     bytes(bufs["st"]), timed_out, exceeded, time.perf_counter() - t0)
+                     bytes(bufs["st"]), timed_out, exceeded, time.perf_counter() - t0, stopped)

@@ -12,10 +12,16 @@ code::
 
     {"kind": "code", "language": "python", "tests": [{"input": "1 2\\n", "output": "3\\n"}],
      "problem": "Read two integers and print their sum."}
+    {"kind": "code", "tests": [{"function": "add", "args": [1, 2], "expected": 3}], "problem": "..."}
+    {"kind": "code", "tests": "def check(candidate):\\n    assert candidate(1, 2) == 3\\n", "entry_point": "add"}
 
     language "python" (default) or "cpp"; the response must contain a fenced block in it.
-    tests    (required) non-empty list of {"input": stdin, "output": expected stdout}, both strings;
-             only the first RewardConfig.code_max_tests are run (all must pass).
+    tests    (required) stdin/stdout tests: a non-empty list of {"input": stdin, "output": expected
+             stdout}, both strings; or, for Python, function-call tests in the forms of
+             reward.call_tests (call dicts, assert code); only the first RewardConfig.code_max_tests
+             are run (all must pass for the reward).
+    entry_point  (optional, Python) the function the tests' ``candidate`` stands for (HumanEval's
+             ``def check(candidate)``), and the default ``function`` of call dicts.
 
 Common optional keys: ``problem`` (the problem text, used by the language-consistency check; when
 absent or empty, only thoughts and answer are compared), ``id`` and ``source`` (strings),
@@ -29,13 +35,20 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from megatron_rl.config import LengthStage
+from megatron_rl.reward.call_tests import is_call_tests, parse_call_tests
+from megatron_rl.reward.call_types import TARGET, CallSuite, TestFormError
 
 CODE_LANGUAGES = ("python", "cpp")
 _COMMON_OPTIONAL = {"problem", "id", "source", "meta"}
 
 
 class TaskError(ValueError):
-    """A task dict does not follow the schema documented in megatron_rl.reward.types."""
+    """A task dict does not follow the schema documented in megatron_rl.reward.types. ``key``: the task
+    key at fault when one is (the data loader names the column it came from)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -47,10 +60,12 @@ class MathTask:
 
 @dataclass(frozen=True)
 class CodeTask:
-    tests: tuple[dict[str, str], ...]
+    tests: tuple[dict[str, str], ...]  # stdin/stdout tests; () when the tests are function calls
     language: str = "python"
     problem: str = ""
     kind: Literal["code"] = "code"
+    calls: CallSuite | None = None  # function-call tests (reward.call_tests), graded by reward.calls
+    entry_point: str | None = None
 
 
 Task = MathTask | CodeTask
@@ -150,18 +165,43 @@ def _check_keys(task: dict, allowed: set[str], kind: str) -> None:
 
 def _parse_tests(tests: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(tests, (list, tuple)) or not tests:
-        raise TaskError("code task: 'tests' must be a non-empty list of {'input': ..., 'output': ...}")
+        raise TaskError("code task: 'tests' must be a non-empty list of {'input': ..., 'output': ...} (or, for "
+                        "Python, function-call tests: reward.call_tests)", "tests")
     out = []
     for i, t in enumerate(tests):
         if not isinstance(t, dict) or set(t) != {"input", "output"}:
             got = sorted(t) if isinstance(t, dict) else type(t).__name__
-            raise TaskError(f"code task: tests[{i}] must be a dict with exactly 'input' and 'output', got {got}")
+            raise TaskError(f"code task: tests[{i}] must be a dict with exactly 'input' and 'output', got {got}",
+                            "tests")
         for key in ("input", "output"):
             if not isinstance(t[key], str):
                 raise TaskError(f"code task: tests[{i}][{key!r}] must be a string, "
-                                f"got {type(t[key]).__name__}")
+                                f"got {type(t[key]).__name__}", "tests")
         out.append({"input": t["input"], "output": t["output"]})
     return tuple(out)
+
+
+def _parse_code_task(task: dict) -> CodeTask:
+    _check_keys(task, {"language", "tests", "entry_point"}, "code")
+    language = _str_field(task, "language", "python")
+    if language not in CODE_LANGUAGES:
+        raise TaskError(f"code task: 'language' must be one of {list(CODE_LANGUAGES)}, got {language!r}", "language")
+    entry = task.get("entry_point")
+    if entry is not None and not (isinstance(entry, str) and TARGET.fullmatch(entry)):
+        raise TaskError(f"code task: 'entry_point' must be a function name or Class.method, got {entry!r:.80}",
+                        "entry_point")
+    if "tests" not in task:
+        raise TaskError("code task: missing 'tests'", "tests")
+    problem = _str_field(task, "problem")
+    if not is_call_tests(task["tests"]):
+        return CodeTask(tests=_parse_tests(task["tests"]), language=language, problem=problem)
+    if language != "python":
+        raise TaskError(f"code task: function-call tests are graded for Python only, not {language!r}", "tests")
+    try:
+        suite = parse_call_tests(task["tests"], entry)
+    except TestFormError as e:
+        raise TaskError(f"code task: {'' if str(e).startswith('tests[') else 'tests: '}{e}", "tests") from None
+    return CodeTask(tests=(), language=language, problem=problem, calls=suite, entry_point=entry)
 
 
 def parse_task(task: Any) -> Task:
@@ -183,12 +223,5 @@ def parse_task(task: Any) -> Task:
             raise TaskError("math task: 'answer' is empty")
         return MathTask(answer=answer, problem=_str_field(task, "problem"))
     if kind == "code":
-        _check_keys(task, {"language", "tests"}, "code")
-        language = _str_field(task, "language", "python")
-        if language not in CODE_LANGUAGES:
-            raise TaskError(f"code task: 'language' must be one of {list(CODE_LANGUAGES)}, got {language!r}")
-        if "tests" not in task:
-            raise TaskError("code task: missing 'tests'")
-        return CodeTask(tests=_parse_tests(task["tests"]), language=language,
-                        problem=_str_field(task, "problem"))
+        return _parse_code_task(task)
     raise TaskError(f"task['kind'] must be 'math' or 'code', got {kind!r}")

@@ -59,7 +59,7 @@ def test_grading_counts_and_metrics():
     by_id = {r.problem_id: r for r in rows}
     assert [by_id[p].correct for p in ("m_en", "m_fr", "c_en", problems[-1].problem_id)] == [2, 2, 2, 2]
     assert by_id["m_en"].format_ok == 3
-    assert by_id[problems[-1].problem_id].statuses == {"ok": 2, "runtime_error": 1, "no_code": 1}
+    assert by_id[problems[-1].problem_id].statuses == {"ok": 2, "wrong_answer": 1, "no_code": 1}
     assert by_id["m_fr"].language == "fr" and by_id["m_en"].language == "en"
     s = summarize(rows, [1, 2])
     assert s["pass@1"] == pytest.approx(0.5)

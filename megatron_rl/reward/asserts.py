@@ -4,8 +4,8 @@ never run here (docs/reward.md "Function-call tests" lists the accepted forms).
 Test code is MBPP-style top-level asserts (``assert f(1) == 2``), HumanEval's ``def check(candidate)``
 (``candidate`` stands for the task's entry point), or pytest-style ``def test_*():`` functions (with
 ``from solution import f``). The function under test is the entry point, ``candidate``, a name
-imported from ``solution``, or a name the code calls without defining it; ``Solution().method(...)``
-is LeetCode's class form. Each assert that calls it must take one of these forms, where R is the call,
+imported from ``solution``, or (with no entry point) a name the code calls without defining it;
+``Solution().method(...)`` is LeetCode's class form. Each assert that calls it must take one of these forms, where R is the call,
 optionally passed through built-ins of reward.compare.WRAPS (``sorted(f(x))``, ``round(f(x), 2)``):
 ``R == E`` / ``E == R`` / ``R != E`` / ``R is True|False|None`` / ``R in E`` / ``R`` / ``not R`` /
 ``abs(R - E) < T`` (or ``<=``, ``math.fabs``, ``E - R``) / ``math.isclose(R, E, rel_tol=, abs_tol=)``,
@@ -14,8 +14,8 @@ and ``R == R'`` with the same call on both sides (HumanEval/33 compares the func
 to other code, a call nested in its arguments -- is refused with the line, and so is an assert that
 always fails. Asserts without the function are the test code's own business.
 
-When every value (arguments, expected value, tolerances) is a literal (``ast.literal_eval``, or
-set/tuple/float(...) of literals) and nothing else in the code runs, the tests are built here
+When every value (arguments, expected value, tolerances) is a constant (`const`: literals, arithmetic
+on small numbers, set/tuple/float(...) of those) and nothing else in the code runs, the tests are built here
 (`convert` returns CallTests). Otherwise -- loops, variables, helper functions, random inputs -- the
 code must run to give its values: `convert` returns an Expansion, the code with each accepted assert
 replaced by a recording call, which reward.expand runs in the sandbox without the candidate.
@@ -73,9 +73,9 @@ class _Code:
         self.check = _check_function(tree)
         self.tests = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
         self.targets: dict[str, str] = {}  # name in the code -> target of the call
-        free = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-        for name in free - self.bound - _BUILTINS:
-            self.targets[name] = name
+        if entry_point is None:  # MBPP style: the functions the code calls without defining them
+            free = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+            self.targets = {name: name for name in free - self.bound - _BUILTINS}
         for name in self.from_solution:
             self.targets[name] = name
         if entry_point is not None:  # "Class.method": the class name, for Class().method(...)

@@ -26,7 +26,7 @@ import os
 import sys
 import types
 
-BOX = "/box"
+BOX = os.path.dirname(os.path.abspath(__file__))  # /box in the sandbox; the workspace when run bare
 RECORDER = "__mrl__"
 
 

@@ -7,7 +7,10 @@ controller state.
 
 The rollout path, typed end to end:
     GroupRequest   the controller asks a generator for samples of one group: the prompt's token ids
-                   once, the sample indices, the length stage in force and sampling overrides
+                   once, the sample indices, the length stage in force and sampling overrides (and
+                   the episodes to continue rather than start: `resume`)
+    PartialEpisode a generator reports each in-flight episode at every turn boundary; the controller
+                   keeps the latest in its checkpoints, and a resume continues the episode from it
     Rollout        each sample comes back with the stage it was requested under (`Rollout.stage`): its
                    cap, and the overlong-penalty window it is graded with even after a stage switch
     TrainSequence  a graded sample of a kept group, with its advantage, as the trainer takes it
@@ -75,11 +78,17 @@ class GroupRequest:
     stage: LengthStage | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)  # the problem's task: each episode's environment starts on it
+    # episodes to continue from their last turn boundary instead of starting them (a resume, a lost
+    # generator): by sample index, each one of `sample_indices`
+    resume: dict[int, "PartialEpisode"] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.sample_indices or len(set(self.sample_indices)) != len(self.sample_indices):
             raise ValueError(f"group {self.group_id}: sample indices must be distinct and at least one, "
                              f"got {self.sample_indices}")
+        if not set(self.resume) <= set(self.sample_indices):
+            raise ValueError(f"group {self.group_id}: episodes to resume {sorted(self.resume)} are not all among "
+                             f"its sample indices {self.sample_indices}")
 
     @property
     def keys(self) -> list[tuple[str, int]]:
@@ -112,6 +121,51 @@ class EpisodeReport:
     reward: float | None = None
     correct: bool | None = None
     error: str | None = None  # the environment failed (one line): the episode is never trained
+    # turns restored from a checkpoint (PartialEpisode) rather than sampled by this run; 0: none
+    resumed_turns: int = 0
+    # a resume found the environment did not replay the recorded turns: the episode started over
+    replay_diverged: bool = False
+
+
+@dataclass
+class PartialEpisode:
+    """An episode in flight, up to its last completed turn boundary: the context as the model saw it
+    (the prompt with the environment's first messages, then model and environment tokens with their
+    logprobs, versions and mask, exactly as a finished Rollout carries them), and what it takes to bring
+    a new environment to the same point (`turns`: each model turn's text, replayed through `step`;
+    `observations`: the messages the environment answered, which the replay must reproduce).
+    `report` is the episode's report so far; `elapsed_s` the wall time it has run (its deadline counts it)."""
+
+    group_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    mask: list[int]
+    turns: list[str]
+    observations: list[list[dict[str, str]]]
+    report: EpisodeReport
+    elapsed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        n, where = len(self.ids), f"partial episode {self.group_id}/{self.sample_index}"
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(f"{where}: {n} tokens but {len(self.logprobs)} logprobs and {len(self.versions)} versions")
+        check_loss_mask(self.mask, n, where)
+        if len(self.turns) != len(self.observations) or not self.turns:
+            raise ValueError(f"{where}: {len(self.turns)} turns but {len(self.observations)} observations")
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.group_id, self.sample_index
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PartialEpisode":
+        return cls(**(dict(data) | {"report": EpisodeReport(**data["report"])}))
 
 
 @dataclass

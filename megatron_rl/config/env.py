@@ -28,6 +28,11 @@ class EnvConfig:
     # Episodes whose environment failed, in a row, that stop the run (each failed episode drops its group)
     max_consecutive_failures: int = 8
 
+    @property
+    def multi_turn(self) -> bool:
+        """The environment may answer a turn: anything but the built-in single-turn task."""
+        return self.name != "single_turn"
+
     def validate(self, key: str) -> None:
         check(bool(self.name.strip()), f"{key}.name", "must name an environment (single_turn for one turn)")
         check(self.max_turns >= 1, f"{key}.max_turns", "must be >= 1")

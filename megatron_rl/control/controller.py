@@ -10,7 +10,8 @@ sends its messages through the mailbox; the generator side is sync/generator_sid
 side sync/trainer_push.py. The controller begins an update, hands it the update's messages, and
 on `UpdateDone` does what follows an update here: admission, the metrics line, a checkpoint.
 Checkpoints carry the controller's state (budget, problem cursor, versions): `--resume` loses and
-repeats no prompt; samples in flight at a checkpoint are issued again on resume.
+repeats no prompt; samples in flight at a checkpoint are issued again on resume, an episode among
+them from its last turn boundary (rollouts.py).
 """
 from __future__ import annotations
 

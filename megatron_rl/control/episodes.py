@@ -32,7 +32,7 @@ def episode_setup(cfg: Config, tokenizer) -> EpisodeSetup:
     if e.tool_concurrency is not None:
         shared_slots().resize(e.tool_concurrency)
     turns = ChatTurns(tokenizer, prompt_template(cfg)) if getattr(tokenizer, "chat_template", None) else None
-    if e.name != "single_turn":  # an environment may answer a turn: the template must continue one, say so now
+    if e.multi_turn:  # an environment may answer a turn: the template must continue one, say so now
         try:
             if turns is None:
                 raise TemplateError("the tokenizer has no chat template to render observations with")

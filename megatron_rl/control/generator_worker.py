@@ -1,7 +1,7 @@
 """Body of a generator rank: one SGLang server, samples streamed back to the controller.
 
 The rank never blocks on generation: requests run in the Generator's threads while this loop
-forwards finished rollouts, answers update commands (pause in place / finish with a version: the
+forwards finished rollouts (and the turn boundaries episodes reached, for the controller's checkpoints), answers update commands (pause in place / finish with a version: the
 generator side of sync/, sync/generator_side.py) and reports a server restart so the controller
 re-sends the current weights.
 """
@@ -38,7 +38,8 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
     rank = mailbox.rank
     try:
         gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,
-                        episodes=episode_setup(cfg, resolve_model(model_dir).tokenizer()))
+                        episodes=episode_setup(cfg, resolve_model(model_dir).tokenizer()),
+                        record_boundaries=cfg.env.multi_turn)
         _check_gpus(gpus, rank)
         gen.start()
     except Exception as e:
@@ -60,14 +61,15 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
             while item is not None:
                 finished.append(item)
                 item = gen.get(timeout=0)
+            boundaries = gen.boundaries()  # after the rollouts: a boundary never arrives after its rollout
             now = time.perf_counter()
             if gen.in_flight == 0 and not finished:
                 idle_s += now - last
             else:
                 busy_s += now - last
             last = now
-            if finished:
-                mailbox.send(CONTROLLER, RolloutsReport(finished, idle_s, busy_s))
+            if finished or boundaries:
+                mailbox.send(CONTROLLER, RolloutsReport(finished, idle_s, busy_s, boundaries))
                 idle_s = busy_s = 0.0
             if gen.incarnation != incarnation:  # the server died and was restarted with disk weights
                 incarnation = gen.incarnation

@@ -75,6 +75,9 @@ def episode_stats(rollouts: list[Rollout]) -> dict[str, float | None]:
         "episode/turns": sum(e.turns for e in eps) / n, "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
         "episode/tool_errors": sum(e.tool_errors for e in eps), "episode/tool_timeouts": sum(e.tool_timeouts for e in eps),
         "episode/tool_s": sum(e.tool_s for e in eps) / n,
+        # turns a resume took from a checkpoint instead of sampling again; episodes it had to start over
+        "episode/resumed_turns": sum(e.resumed_turns for e in eps),
+        "episode/replay_diverged": sum(e.replay_diverged for e in eps),
         "episode/env_token_frac": sum(e.env_tokens for e in eps) / tokens if tokens else 0.0,
         "episode/cached_prefix_frac": sum(e.cached_tokens for e in eps) / prompt if prompt else None}
     for stop in sorted({e.stop for e in eps}):

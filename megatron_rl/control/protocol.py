@@ -9,13 +9,13 @@ The weight update's messages are sync/messages.py's (sync/ knows no MPI): they g
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
 
 from megatron_rl.errors import InputError
 from megatron_rl.config import LengthStage
-from megatron_rl.records import Batch, GroupRequest, Rollout
+from megatron_rl.records import Batch, GroupRequest, PartialEpisode, Rollout
 from megatron_rl.reward.types import RewardBreakdown, ScoreItem
 from megatron_rl.sync.messages import (FinishUpdate, GeneratorStatus, Paused, PauseForUpdate, Pushed, PushRequest,
                                        Resumed)
@@ -37,6 +37,8 @@ class RolloutsReport:
     rollouts: list[Rollout]
     idle_s: float  # time with nothing in flight since the last report
     busy_s: float
+    # turn boundaries episodes in flight reached since the last report (each before its rollout)
+    boundaries: list[PartialEpisode] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- controller <-> first trainer

@@ -11,6 +11,9 @@
              group (grading.GradingLedger)
 A dead generator's samples are issued again to the live ones, a dead or hung verifier rank's items
 sent to the live ones (verifiers.py).
+Episodes in flight: generators report each one's turn boundaries (records.PartialEpisode); the latest
+of each training episode goes into the checkpoint, and whenever a sample is issued again (a resume, a
+lost generator) its episode continues from there instead of starting over.
 Length stages (rollout.length_schedule): a sample is requested with the cap of the stage in force
 when it is issued and graded with that stage's overlong-penalty window, even after a switch.
 Evaluation samples take the same path; their group ids have their own namespace, and `groups_of` is
@@ -35,7 +38,7 @@ from megatron_rl.control.run_log import RunLog
 from megatron_rl.control.verifiers import VerifierRanks
 from megatron_rl.data.prompts import render_prompt_ids
 from megatron_rl.env import own_reward
-from megatron_rl.records import GroupRequest, Problem, Rollout
+from megatron_rl.records import GroupRequest, PartialEpisode, Problem, Rollout
 from megatron_rl.reward.types import RewardBreakdown
 
 
@@ -99,7 +102,7 @@ class RolloutFlow:
         # system prompt (name, text or file), chat-template kwargs and the environment's tools
         self.template = prompt_template(cfg)
         self.max_env_failures = cfg.env.max_consecutive_failures
-        self.send_task = cfg.env.name != "single_turn"  # the single-turn task never reads it (code tests are large)
+        self.send_task = cfg.env.multi_turn  # the single-turn task never reads it (code tests are large)
         self.env_failures_in_a_row = 0
         self.length_stages = length_stages(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
                                            cfg.reward)
@@ -107,6 +110,7 @@ class RolloutFlow:
         self.dead_generators: set[int] = set()
         self.sample_owner: dict[Key, int] = {}  # the generator each sample in flight was sent to
         self.prompt_ids: dict[str, list[int]] = {}  # group id -> prompt token ids
+        self.boundaries: dict[Key, PartialEpisode] = {}  # the last turn boundary of each episode in flight
         self.ledger = GradingLedger(cfg.reward.regrade_attempts, cfg.rollout.n_async)  # samples being graded
         self.evaluation = Evaluation(cfg, eval_problems or [])  # its samples never reach the budget
         self.training = TrainingGroups(self.budget, self.queue, log, updates_done, self.prompt_ids)
@@ -160,8 +164,9 @@ class RolloutFlow:
         """Samples `indices` of a group, under the stage in force and the sampling of its kind."""
         groups = self.groups_of(group_id)
         problem = groups.problem(group_id)
+        resume = {i: self.boundaries[group_id, i] for i in indices if (group_id, i) in self.boundaries}
         return GroupRequest(group_id, self.prompt_ids[group_id], list(indices), self.stage(), dict(groups.sampling),
-                            task=dict(problem.task) if self.send_task and problem is not None else {})
+                            task=dict(problem.task) if self.send_task and problem is not None else {}, resume=resume)
 
     def _requests(self, keys: list[Key]) -> list[GroupRequest]:
         """Samples by (group id, index), as one request per group (in the order the groups first appear)."""
@@ -203,8 +208,12 @@ class RolloutFlow:
     def on_rollouts(self, rank: int, report: RolloutsReport) -> None:
         self.log.window.gen_idle_s += report.idle_s
         self.log.window.gen_busy_s += report.busy_s
+        for b in report.boundaries:
+            if self.sample_owner.get(b.key) == rank:  # else a sample issued elsewhere since, or answered
+                self.boundaries[b.key] = b
         items = []
         for r in report.rollouts:
+            self.boundaries.pop(r.key, None)
             if self.sample_owner.pop(r.key, None) is None:
                 continue  # a duplicate of a sample already re-issued and answered
             self.gen_load[rank] = max(0, self.gen_load[rank] - 1)
@@ -288,13 +297,16 @@ class RolloutFlow:
 
     # ================================================================== state
     def state_dict(self) -> dict[str, Any]:
+        outstanding = set(self.budget.outstanding_samples())  # training samples: an evaluation round re-runs whole
+        episodes = [b.to_dict() for key, b in self.boundaries.items() if key in outstanding]
         return {"budget": self.budget.state_dict(), "queue": self.queue.state_dict(),
-                "evaluation": self.evaluation.state_dict()}
+                "evaluation": self.evaluation.state_dict(), "episodes": episodes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.budget.load_state_dict(state["budget"])
         self.queue.load_state_dict(state["queue"])
         self.evaluation.load_state_dict(state.get("evaluation"))  # a round not finished: re-run
+        self.boundaries = {b.key: b for b in map(PartialEpisode.from_dict, state.get("episodes", []))}
 
     def close(self) -> None:
         if self.grader is not None:

@@ -35,6 +35,12 @@ made for that episode and used by one thread at a time::
   is an observation the model sees, never an exception. An exception from ``reset``/``step`` means the
   *environment* broke (its sandbox is unavailable, a bug, a lost service): the episode fails and is
   never trained as reward 0. Raise :class:`EnvFailure` (or anything) for that.
+- **Resume by replay**: an episode in flight when the run stopped is continued by a new instance,
+  reset on the same task and stepped with each recorded turn text in order; each replayed step must
+  return the observation recorded then (and not done), after which the episode goes on. So an
+  environment's answers should be a function of the task and the turns (seed randomness from the task)
+  and a step safe to run twice; one that answers differently has its episode started over
+  (``megatron_rl.rollout.episode``, "Turn boundaries and resume").
 - ``tools``: the JSON schemas of the tools the environment offers (OpenAI/Hermes function format), for
   the caller to pass to ``apply_chat_template(..., tools=env.tools)`` so the template describes them.
 

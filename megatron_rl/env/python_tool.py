@@ -25,7 +25,9 @@ earlier cells (notebook-like variables) because a replay re-runs side effects (a
 twice), redraws randomness and the clock, so the state the model saw could silently differ from the
 replayed one, and its cost grows with the square of the number of calls; over a long-lived
 interpreter because the sandbox runs each program in a fresh namespace and kills it whole at its
-deadline. ``close()`` deletes the workspace.
+deadline. ``close()`` deletes the workspace. When a resumed run continues an episode, a new workspace
+is rebuilt by replaying the episode's calls (``megatron_rl.rollout.episode``); a call whose output
+depends on randomness or the clock answers differently then, and the episode starts over.
 
 **Limits** (constructor parameters): ``timeout_s`` wall clock and CPU per call; ``memory_mb`` address
 space; ``max_output_bytes`` of stdout + stderr (merged, in order) -- past it the program is stopped and

@@ -19,16 +19,27 @@ prompt (model and environment: the context the KV cache holds); `max_turn_tokens
 observation message longer than `max_observation_tokens` is cut with a note the model sees. An episode
 a cap ends is graded on its last turn. An environment that raises fails the episode (`report.error`):
 it is never trained, its group is dropped.
+
+Turn boundaries and resume: after each observation (the context ready for the next model turn),
+`on_boundary` gets the episode so far, which the generator reports as a `PartialEpisode`; the
+controller checkpoints the latest one. `start=` continues such an episode: a new environment is reset
+on the task and every recorded turn text is stepped through it again (replay), each step's
+observation checked against the recorded one; the recorded tokens, logprobs, versions and report are
+then taken as they were and the episode goes on from the boundary. Replay rebuilds whatever state the
+environment keeps (a tool's workspace files) without any environment code for it; an environment that
+answers a replayed turn differently (randomness, a clock, outside state) raises `ReplayDiverged`, and the
+caller starts the episode over: its context would no longer match its environment.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_rl.data.turns import ChatTurns
 from megatron_rl.env import SingleTurn
-from megatron_rl.records import ENV_LOGPROB, ENV_VERSION, EpisodeReport, FinishReason
+from megatron_rl.records import ENV_LOGPROB, ENV_VERSION, EpisodeReport, FinishReason, PartialEpisode
 from megatron_rl.rollout.outputs import Turn
 
 TRUNCATED_NOTE = "\n[... output cut: {n} more tokens]"
@@ -65,6 +76,9 @@ class Episode:
     finish_reason: FinishReason = "stop"
     text: str = ""  # the last model turn: what the verifiers grade
     report: EpisodeReport = field(default_factory=lambda: EpisodeReport(turns=0))
+    turn_texts: list[str] = field(default_factory=list)  # every model turn's text, in order
+    observations: list[list[dict[str, str]]] = field(default_factory=list)  # as shown after each turn
+    started: float = field(default_factory=time.monotonic)  # when it began (a resumed one: earlier)
 
     def add_turn(self, turn: Turn) -> None:
         self.ids += turn.ids
@@ -72,11 +86,13 @@ class Episode:
         self.versions += turn.versions
         self.mask += [1] * len(turn.ids)
         self.finish_reason, self.text = turn.finish_reason, turn.text
+        self.turn_texts.append(turn.text)
         self.report.turns += 1
         self.report.prompt_tokens += turn.prompt_tokens
         self.report.cached_tokens += turn.cached_tokens
 
-    def add_observation(self, ids: list[int]) -> None:
+    def add_observation(self, messages: list[dict[str, str]], ids: list[int]) -> None:
+        self.observations.append(messages)
         self.ids += ids
         self.logprobs += [ENV_LOGPROB] * len(ids)
         self.versions += [ENV_VERSION] * len(ids)
@@ -96,12 +112,30 @@ class Episode:
         """None when every completion token is the model's (the single-turn form)."""
         return None if all(self.mask) else self.mask
 
+    def partial(self, group_id: str, sample_index: int) -> PartialEpisode:
+        """The episode so far, at a turn boundary (copies: the episode goes on)."""
+        return PartialEpisode(group_id, sample_index, list(self.prompt_ids), list(self.ids), list(self.logprobs),
+                              list(self.versions), list(self.mask), list(self.turn_texts),
+                              [list(o) for o in self.observations], dataclasses.replace(self.report),
+                              time.monotonic() - self.started)
+
+    def restore(self, p: PartialEpisode) -> None:
+        """Take a recorded episode's turns as they were (after its environment replayed them)."""
+        self.ids, self.logprobs, self.versions, self.mask = list(p.ids), list(p.logprobs), list(p.versions), list(p.mask)
+        self.turn_texts, self.observations = list(p.turns), [list(o) for o in p.observations]
+        self.text = p.turns[-1]
+        self.report = dataclasses.replace(p.report, resumed_turns=p.report.turns)
+        self.started = time.monotonic() - p.elapsed_s
+
 
 def run_episode(env, task: dict[str, Any], prompt_ids: list[int], sample: Callable[[list[int], int], Turn],
-                cap: int, limits: EpisodeLimits, turns: ChatTurns | None) -> Episode:
+                cap: int, limits: EpisodeLimits, turns: ChatTurns | None, start: PartialEpisode | None = None,
+                on_boundary: Callable[[Episode], None] | None = None) -> Episode:
     """Play one episode. `sample(context_ids, max_new_tokens)` runs one model turn; `cap` bounds every
     token after the prompt; `turns` renders observations (None: an environment that shows none, the
-    single-turn task). The environment is closed on every way out."""
+    single-turn task). `start`: continue this recorded episode (ReplayDiverged when the environment does
+    not replay it); `on_boundary(episode)` at every turn boundary. The environment is closed on every
+    way out."""
     episode = Episode(list(prompt_ids))
     try:
         first = _env(env.reset, task)
@@ -109,7 +143,9 @@ def run_episode(env, task: dict[str, Any], prompt_ids: list[int], sample: Callab
             if turns is None:
                 raise RuntimeError("the environment shows messages but the tokenizer has no chat template")
             episode.prompt_ids = turns.prompt_ids_with(prompt_ids, first)
-        _play(env, episode, sample, cap, limits, turns)
+        if start is not None:
+            _replay(env, episode, start, limits, turns)
+        _play(env, episode, sample, cap, limits, turns, on_boundary or (lambda episode: None))
     except EnvironmentBroke as e:
         episode.report.stop, episode.report.error = "env_error", str(e)
     finally:
@@ -124,6 +160,21 @@ class EnvironmentBroke(Exception):
     """The environment raised (reset, step or close): the episode fails, the run goes on."""
 
 
+class ReplayDiverged(Exception):
+    """A new environment answered a recorded episode's turns differently: the episode cannot continue."""
+
+
+def _replay(env, episode: Episode, start: PartialEpisode, limits: EpisodeLimits, turns: ChatTurns | None) -> None:
+    """Step `start`'s turns through the freshly reset `env`; each must answer what was recorded."""
+    if episode.prompt_ids != start.prompt_ids:
+        raise ReplayDiverged("reset shows different messages than when the episode began")
+    for k, (text, seen) in enumerate(zip(start.turns, start.observations), 1):
+        result = _env(env.step, text)
+        if result.done or turns is None or _cut(turns, result.observation, limits.max_observation_tokens) != seen:
+            raise ReplayDiverged(f"turn {k} replayed: the environment answered differently than recorded")
+    episode.restore(start)
+
+
 def _env(method, *args):
     try:
         return method(*args)
@@ -132,11 +183,15 @@ def _env(method, *args):
         raise EnvironmentBroke(f"{method.__name__}: {type(e).__name__}: {first}") from e
 
 
-def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns: ChatTurns | None) -> None:
+def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns: ChatTurns | None,
+          on_boundary: Callable[[Episode], None]) -> None:
     report = episode.report
-    deadline = None if limits.deadline_s is None else time.monotonic() + limits.deadline_s
+    deadline = None if limits.deadline_s is None else episode.started + limits.deadline_s
     while True:
         room = cap - len(episode.ids)
+        if room < 1:  # a resumed episode under a shorter length stage than it began in
+            report.stop, episode.finish_reason = "max_tokens", "length"
+            return
         turn = sample(episode.prompt_ids + episode.ids, min(room, limits.max_turn_tokens or room))
         episode.add_turn(turn)
         if turn.finish_reason == "abort":
@@ -158,13 +213,14 @@ def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns:
             return
         if turns is None:
             raise RuntimeError("the environment continues after a turn but the tokenizer has no chat template")
-        observation = turns.observation_ids(_cut(turns, result.observation, limits.max_observation_tokens),
-                                            turn_stopped=turn.finish_reason == "stop")
+        shown = _cut(turns, result.observation, limits.max_observation_tokens)
+        observation = turns.observation_ids(shown, turn_stopped=turn.finish_reason == "stop")
         if len(episode.ids) + len(observation) >= cap:  # no room left for a model token after it
             report.stop = "max_tokens"
             episode.finish_reason = "length"
             return
-        episode.add_observation(observation)
+        episode.add_observation(shown, observation)
+        on_boundary(episode)
 
 
 def _cut(turns: ChatTurns, messages: list[dict[str, str]], limit: int) -> list[dict[str, str]]:

@@ -22,10 +22,15 @@ exhausted, `get()` raises `GeneratorDied` and the unfinished samples are listed 
 A request whose stream stays silent past the server's `request_idle_timeout_s` is no death (the
 server may still answer /health while hung): `get()` raises the client's `GenerationTimeout`.
 `tokens_streamed` counts the output tokens received so far (progress while completions run).
+Episodes: at every turn boundary of a multi-turn episode its `PartialEpisode` is queued for
+`boundaries()`; a group's `resume` entries continue episodes from such a record instead of starting
+them (rollout/episode.py: the environment replays the recorded turns; one that answers differently
+starts over, `EpisodeReport.replay_diverged`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -35,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
 from megatron_rl.config import GeneratorConfig, RolloutConfig
-from megatron_rl.records import GroupRequest, Rollout
+from megatron_rl.records import GroupRequest, PartialEpisode, Rollout
 from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
-from megatron_rl.rollout.episode import EpisodeSetup, run_episode
+from megatron_rl.rollout.episode import Episode, EpisodeSetup, ReplayDiverged, run_episode
 from megatron_rl.rollout.outputs import Turn, parse_version, scoring_temperature
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
 from megatron_rl.rollout.server import SGLangServer
@@ -78,7 +83,7 @@ class Generator:
     def __init__(self, server: SGLangServer, rollout: RolloutConfig | None = None,
                  config: GeneratorConfig | None = None, generator_id: int = 0,
                  max_concurrency: int | None = None, on_death: Literal["restart", "raise"] = "restart",
-                 max_restarts: int = 3, episodes: EpisodeSetup | None = None):
+                 max_restarts: int = 3, episodes: EpisodeSetup | None = None, record_boundaries: bool = False):
         self.server = server
         self.episodes = episodes or EpisodeSetup()
         self.rollout = rollout or RolloutConfig()
@@ -91,6 +96,8 @@ class Generator:
         self.needs_weight_sync = False
         self.tokens_streamed = 0  # output tokens received so far, over every request (progress)
         self._out: queue.Queue[Rollout | BaseException] = queue.Queue()
+        self.record_boundaries = record_boundaries  # queue each turn boundary for boundaries()
+        self._boundaries: queue.Queue[PartialEpisode] = queue.Queue()
         self._pending: dict[str, Sample] = {}
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
@@ -183,10 +190,8 @@ class Generator:
     def _run(self, s: Sample) -> None:
         try:
             s.attempts += 1
-            e = self.episodes
             try:
-                ep = run_episode(e.make_env(), s.group.task, s.group.prompt_ids, lambda ids, n: self._turn(s, ids, n),
-                                 s.sampling["max_new_tokens"], e.limits, e.turns)
+                ep = self._episode(s)
             except _ServerGone:  # the generator died: the sample is listed in GeneratorDied.unfinished
                 return
             r = Rollout(group_id=s.group.group_id, sample_index=s.index, prompt_ids=ep.prompt_ids,
@@ -202,6 +207,36 @@ class Generator:
             self._out.put(e)
             with self._lock:
                 self._pending.pop(s.rid, None)
+
+    def _episode(self, s: Sample) -> Episode:
+        """Play sample `s`'s episode: from its start, or on from the group's record of it."""
+        e, start = self.episodes, s.group.resume.get(s.index)
+
+        def play(start: PartialEpisode | None) -> Episode:
+            return run_episode(e.make_env(), s.group.task, s.group.prompt_ids, lambda ids, n: self._turn(s, ids, n),
+                               s.sampling["max_new_tokens"], e.limits, e.turns, start,
+                               functools.partial(self._record, s) if self.record_boundaries else None)
+
+        if start is None:
+            return play(None)
+        try:
+            return play(start)
+        except ReplayDiverged:  # its context no longer matches a new environment: start it over
+            ep = play(None)
+            ep.report.replay_diverged = True
+            return ep
+
+    def _record(self, s: Sample, ep: Episode) -> None:
+        self._boundaries.put(ep.partial(s.group.group_id, s.index))
+
+    def boundaries(self) -> list[PartialEpisode]:
+        """The turn boundaries episodes reached since the last call (the latest per episode comes last)."""
+        out = []
+        while True:
+            try:
+                out.append(self._boundaries.get_nowait())
+            except queue.Empty:
+                return out
 
     def _turn(self, s: Sample, context: list[int], max_new_tokens: int) -> Turn:
         """One model turn of sample `s` from `context`: a new request (after an update it carries the new

@@ -5,7 +5,8 @@ token included) and the observation's ids; the rollout's completion is that sequ
 logprobs at sampled positions equal HF's log-softmax on the rollout's own ids (so what the trainer scores
 is what the generator sampled in); environment tokens carry mask 0, no logprob and no version. A weight
 update between turns: the next turn prefills under the new weights (no cached prefix) and its tokens
-carry the new version, equal to HF on the new weights.
+carry the new version, equal to HF on the new weights. An episode continued from a turn boundary (as a
+resume does) samples only its remaining turns, from exactly the recorded context.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class Recorded:
         return out
 
 
-def play(gen, tok, newline, make_env, turns=5, turn_tokens=10, cap=200):
+def play(gen, tok, newline, make_env, turns=5, turn_tokens=10, cap=200, resume=None):
     chat = ChatTurns(tok, get_template("none"), stop_ids=(newline,))
     gen.episodes = EpisodeSetup(make_env, EpisodeLimits(turns, turn_tokens, 64), chat)
     prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
@@ -64,7 +65,8 @@ def play(gen, tok, newline, make_env, turns=5, turn_tokens=10, cap=200):
     try:
         gen.submit_group(GroupRequest("g", tok(prompt, add_special_tokens=False).input_ids, [0],
                                       sampling={"temperature": 1.0, "max_new_tokens": cap,
-                                                "stop_token_ids": [newline]}, task={"kind": "math", "answer": "2"}))
+                                                "stop_token_ids": [newline]}, task={"kind": "math", "answer": "2"},
+                                      resume={0: resume} if resume else {}))
         (r,) = gen.completions(timeout=600)
     finally:
         gen.server.client = recorded.client
@@ -213,3 +215,37 @@ def test_a_server_restart_resumes_the_episode_at_its_last_turn_boundary(gen, tok
     n = len(r.prompt_ids) - 1
     torch.testing.assert_close(torch.tensor(r.behaviour_logprobs[a1:b1]),
                                hf_logprobs(hf, r.prompt_ids + r.completion_ids)[n + a1:n + b1], atol=3e-3, rtol=1e-3)
+
+
+class Forgetful(Echo):
+    """Echo whose new instances answer a replayed turn differently (state the replay cannot rebuild)."""
+
+    def step(self, turn):
+        result = super().step(turn)
+        for m in result.observation:
+            m["content"] += f" ({id(self)})"
+        return result
+
+
+def test_an_episode_continued_from_its_boundary_samples_only_the_rest(gen, tok, newline):
+    gen.record_boundaries = True
+    try:
+        first, _, _ = play(gen, tok, newline, functools.partial(Echo, turns=3))
+        boundaries = gen.boundaries()
+    finally:
+        gen.record_boundaries = False
+    assert [b.report.turns for b in boundaries] == [1, 2] and all(b.key == ("g", 0) for b in boundaries)
+    b = boundaries[-1]
+    assert first.prompt_ids == b.prompt_ids and first.completion_ids[:len(b.ids)] == b.ids
+    r, calls, _ = play(gen, tok, newline, functools.partial(Echo, turns=3), resume=b)
+    ((body, out),) = calls  # one turn left: one request, on exactly the recorded context
+    assert body["input_ids"] == b.prompt_ids + b.ids
+    n = len(b.ids)
+    assert (r.completion_ids[:n], r.behaviour_logprobs[:n], r.weight_versions[:n]) == (b.ids, b.logprobs, b.versions)
+    assert r.completion_ids[n:] == out["output_ids"] and r.loss_mask == b.mask + [1] * len(out["output_ids"])
+    assert (r.episode.turns, r.episode.resumed_turns, r.episode.replay_diverged) == (3, 2, False)
+
+    # an environment that cannot replay the recorded turns: the episode starts over, and says so
+    r, calls, _ = play(gen, tok, newline, functools.partial(Forgetful, turns=3), resume=b)
+    assert len(calls) == 3 and calls[0][0]["input_ids"] == r.prompt_ids
+    assert (r.episode.turns, r.episode.resumed_turns, r.episode.replay_diverged) == (3, 0, True)

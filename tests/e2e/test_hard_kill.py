@@ -25,7 +25,7 @@ import yaml
 from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.data import read_jsonl as read_problems
-from support.runs import launch_train
+from support.runs import controller_state, launch_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -110,15 +110,9 @@ def _survivors(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Pro
         time.sleep(0.5)
 
 
-def _controller_state(run_dir: Path) -> dict:
-    from megatron_rl.train.checkpoint import read_common
-
-    return read_common(run_dir / "checkpoints")["extra"]["user"]["controller"]
-
-
 def _assert_accounted_once(run_dir: Path, problems: Path) -> None:
     """Every drawn prompt and every sample exactly once, every update once, from the run's own records."""
-    state = _controller_state(run_dir)
+    state = controller_state(run_dir)
     budget, counters = state["budget"], state["budget"]["counters"]
     rows = read_jsonl(run_dir / METRICS_FILE)
     assert [r["update"] for r in rows] == list(range(1, UPDATES + 1)), "an update logged twice or not at all"

@@ -20,11 +20,9 @@ import psutil
 import pytest
 import yaml
 
-from megatron_rl.control.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
-from megatron_rl.control.problems import ProblemQueue
-from megatron_rl.data import read_jsonl as read_problems
+from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from support.metric_logs import assert_same, jsonl_numbers, tensorboard_scalars
-from support.runs import launch_train
+from support.runs import assert_every_prompt_accounted_once, controller_state, launch_train
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -69,25 +67,6 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, out[-6000:]
     return out
-
-
-def _controller_state(run_dir: Path) -> dict:
-    from megatron_rl.train.checkpoint import read_common
-
-    return read_common(run_dir / "checkpoints")["extra"]["user"]["controller"]
-
-
-def _assert_every_prompt_accounted_once(run_dir: Path, problems: Path, seed: int = 0) -> None:
-    """Prompts drawn = completed groups + groups pending in the last checkpoint, each exactly once."""
-    state = _controller_state(run_dir)
-    events = read_jsonl(run_dir / EVENTS_FILE)
-    group_ids = [e["group_id"] for e in events]
-    assert len(group_ids) == len(set(group_ids)), "a group completed twice"
-    queue = ProblemQueue(read_problems(problems), seed=seed)
-    drawn = [queue.next().problem_id for _ in range(state["queue"]["issued"])]
-    pending = [g["problem"]["problem_id"] for g in state["budget"]["groups"]]
-    assert not state["queue"]["requeued"]
-    assert sorted([e["problem_id"] for e in events] + pending) == sorted(drawn)
 
 
 def _rewards(run_dir: Path) -> list[tuple[float, float]]:
@@ -139,7 +118,7 @@ def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_not
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_early"] and summary["updates"] < updates, out[-3000:]
     stopped_at = summary["updates"]
-    _assert_every_prompt_accounted_once(run_dir, policy[1])
+    assert_every_prompt_accounted_once(run_dir, policy[1])
 
     out = _finish_failing(launch_train(config))  # without --resume the run directory is protected
     assert "--resume" in out
@@ -154,8 +133,8 @@ def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_not
     assert any(r.get("versions_per_sequence/mean", 1) > 1 for r in rows), "no sequence spanned an update"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["updates"] == updates and not summary["stopped_early"]
-    assert _controller_state(run_dir)["updates_done"] == updates > stopped_at
-    _assert_every_prompt_accounted_once(run_dir, policy[1])
+    assert controller_state(run_dir)["updates_done"] == updates > stopped_at
+    assert_every_prompt_accounted_once(run_dir, policy[1])
     scalars = tensorboard_scalars(run_dir)
     assert sorted(scalars["train/loss"]) == list(range(1, updates + 1)) and "reward/mean" in scalars
     assert_same(scalars, jsonl_numbers(run_dir))

@@ -55,3 +55,27 @@ def train_to_the_end(run_dir: Path, cfg: dict, timeout_s: float = 800) -> list[d
     out, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, out[-6000:]
     return read_jsonl(Path(cfg["run"]["output_dir"]) / METRICS_FILE)
+
+
+def controller_state(run_dir: Path) -> dict:
+    """The controller's state in the run's latest checkpoint."""
+    from megatron_rl.train.checkpoint import read_common
+
+    return read_common(Path(run_dir) / "checkpoints")["extra"]["user"]["controller"]
+
+
+def assert_every_prompt_accounted_once(run_dir: Path, problems: Path, seed: int = 0) -> None:
+    """Prompts drawn = completed groups + groups pending in the last checkpoint, each exactly once."""
+    from megatron_rl.control.metrics import EVENTS_FILE, read_jsonl
+    from megatron_rl.control.problems import ProblemQueue
+    from megatron_rl.data import read_jsonl as read_problems
+
+    state = controller_state(run_dir)
+    events = read_jsonl(Path(run_dir) / EVENTS_FILE)
+    group_ids = [e["group_id"] for e in events]
+    assert len(group_ids) == len(set(group_ids)), "a group completed twice"
+    queue = ProblemQueue(read_problems(problems), seed=seed)
+    drawn = [queue.next().problem_id for _ in range(state["queue"]["issued"])]
+    pending = [g["problem"]["problem_id"] for g in state["budget"]["groups"]]
+    assert not state["queue"]["requeued"]
+    assert sorted([e["problem_id"] for e in events] + pending) == sorted(drawn)

@@ -55,6 +55,18 @@ def test_echo_own_reward_and_failure():
         env.step("boom")
 
 
+def test_echo_steps_take_their_delay_and_a_bad_one_is_refused():
+    import time
+
+    env = Echo(turns=2, delay_s=0.2)
+    env.reset(TASK)
+    t0 = time.perf_counter()
+    env.step("slow")
+    assert time.perf_counter() - t0 >= 0.2
+    with pytest.raises(ValueError, match="delay_s must be a number >= 0"):
+        Echo(delay_s=-1)
+
+
 def test_single_turn_is_a_one_turn_episode_graded_by_reward_score():
     for response in (RIGHT, WRONG):
         env = SingleTurn()

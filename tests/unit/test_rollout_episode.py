@@ -1,9 +1,13 @@
 """The turn loop's rules with a scripted model (the generator side: tests/e2e/test_episodes.py): each
 request is the context so far, caps end an episode where they say (turns, tokens, deadline), an
 observation is cut with a note, a turn cut by its cap gets its stop token as an environment token, and
-an environment that raises fails the episode after closing it. Tokens and templates are SmolLM2's."""
+an environment that raises fails the episode after closing it; an episode resumed at a turn boundary
+continues exactly as the uninterrupted one, or raises when its environment replays differently. Tokens
+and templates are SmolLM2's."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 
 import pytest
@@ -11,8 +15,8 @@ import pytest
 from megatron_rl.data.prompts import get_template
 from megatron_rl.data.turns import ChatTurns
 from megatron_rl.env import Echo
-from megatron_rl.records import ENV_VERSION
-from megatron_rl.rollout.episode import TRUNCATED_NOTE, EpisodeLimits, run_episode
+from megatron_rl.records import ENV_VERSION, PartialEpisode
+from megatron_rl.rollout.episode import TRUNCATED_NOTE, EpisodeLimits, ReplayDiverged, run_episode
 from megatron_rl.rollout.outputs import Turn
 
 PROMPT: list[int] = []  # a rendered prompt (the chat fixture sets it): the environment's first message goes in it
@@ -110,3 +114,67 @@ def test_the_model_failing_is_not_the_environment_failing(chat):
     with pytest.raises(ConnectionError):
         run_episode(env, {}, PROMPT, broken, 1000, EpisodeLimits(max_turns=5), chat)
     assert env.closed
+
+
+# ---------------------------------------------------------------- turn boundaries and resume
+class ContextModel:
+    """A deterministic model: each turn's tokens and text are a function of the context alone (so an
+    episode continued from a boundary samples what the uninterrupted one did), stamped `version`."""
+
+    def __init__(self, chat, version, n=4):
+        self.chat, self.version, self.n, self.requests = chat, version, n, []
+
+    def __call__(self, context, max_new_tokens):
+        self.requests.append(list(context))
+        ids = [100 + (len(context) * 7 + j) % 50 for j in range(self.n - 1)] + [self.chat.stop_ids[0]]
+        return Turn(ids, [-0.25] * self.n, [self.version] * self.n, "stop", f"said {len(context)}")
+
+
+def _boundaries(chat, turns=4):
+    seen = []
+    full = run_episode(Echo(turns=turns), {}, PROMPT, ContextModel(chat, 1), 1000, EpisodeLimits(max_turns=9), chat,
+                       on_boundary=lambda ep: seen.append(ep.partial("g", 3)))
+    return full, seen
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_an_episode_resumed_at_a_boundary_keeps_its_turns_and_samples_only_the_rest(chat, k):
+    full, seen = _boundaries(chat)
+    assert [b.report.turns for b in seen] == [1, 2, 3]  # one after each observation, none after the last turn
+    b = PartialEpisode.from_dict(json.loads(json.dumps(seen[k].to_dict())))  # as a checkpoint holds it
+    assert b.key == ("g", 3) and full.ids[:len(b.ids)] == b.ids and b.prompt_ids == full.prompt_ids
+    model = ContextModel(chat, 2)
+    env = Echo(turns=4)
+    ep = run_episode(env, {}, PROMPT, model, 1000, EpisodeLimits(max_turns=9), chat, start=b)
+    # nothing recorded is sampled again: the first request is the recorded context, one per turn left
+    assert model.requests[0] == b.prompt_ids + b.ids and len(model.requests) == 4 - b.report.turns
+    assert (ep.prompt_ids, ep.ids, ep.mask, ep.logprobs) == (full.prompt_ids, full.ids, full.mask, full.logprobs)
+    n = len(b.ids)  # the recorded tokens keep the version that sampled them; the rest are the new weights'
+    assert ep.versions[:n] == full.versions[:n]
+    assert {v for v, m in zip(ep.versions[n:], ep.mask[n:]) if m} == {2}
+    assert ep.report.turns == 4 and ep.report.resumed_turns == b.report.turns and ep.report.stop == "done"
+    assert ep.text == full.text and env.closed
+
+
+def test_a_replay_the_environment_answers_differently_raises_and_closes_it(chat):
+    _, seen = _boundaries(chat)
+
+    class Forgetful(Echo):  # a new instance answers a replayed turn with other content
+        def step(self, turn):
+            result = super().step(turn)
+            for m in result.observation:
+                m["content"] += " (again)"
+            return result
+
+    env = Forgetful(turns=4)
+    with pytest.raises(ReplayDiverged, match="turn 1 replayed"):
+        run_episode(env, {}, PROMPT, ContextModel(chat, 2), 1000, EpisodeLimits(max_turns=9), chat, start=seen[1])
+    assert env.closed
+
+
+def test_a_resumed_episode_counts_the_time_it_already_ran_against_its_deadline(chat):
+    _, seen = _boundaries(chat)
+    b = dataclasses.replace(seen[0], elapsed_s=100.0)
+    ep = run_episode(Echo(turns=4), {}, PROMPT, ContextModel(chat, 2), 1000,
+                     EpisodeLimits(max_turns=9, deadline_s=50.0), chat, start=b)
+    assert ep.report.stop == "deadline" and ep.report.turns == 2  # one turn after the resume, then past it

@@ -154,3 +154,55 @@ def test_a_missing_problem_file_names_its_key_and_where_relative_paths_start(tmp
 def test_a_missing_parquet_file_names_data_path(tmp_path):
     with pytest.raises(DataError, match=r"^data.path: problem file not found: .*missing.parquet$"):
         list(iter_problems(load_config(None, ["data.source=parquet", f"data.path={tmp_path / 'missing.parquet'}"]).data))
+
+
+CALL_ROWS = [  # function-call tests in each form a row can bring them
+    {"id": "f1", "question": "Add.", "cases": [{"function": "add", "args": [1, 2], "expected": 3}]},
+    {"id": "f2", "question": "Add.", "cases": json.dumps([{"call": "add(1, 2)", "expected": 3},
+                                                         {"call": "add('a', 'b')", "expected": "ab"}])},
+    {"id": "f3", "question": "Add.", "cases": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "fn": "add"},
+    {"id": "f4", "question": "Add.", "cases": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]},
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_function_call_rows_under_the_configured_keys(tmp_path, fmt):
+    from megatron_rl.reward import score
+
+    keys = [*KEYS, "data.entry_point_key=fn"]
+    if fmt == "jsonl":
+        path = _jsonl(tmp_path / "calls.jsonl", CALL_ROWS)
+    else:  # one column holds one type: JSON text for tests whose arguments mix types, lists of strings, code
+        rows = [{**r, "cases": r["cases"] if isinstance(r["cases"], str) else json.dumps(r["cases"])}
+                for r in CALL_ROWS if r["id"] != "f4"]
+        path = _parquet(tmp_path / "calls.parquet", rows)
+    problems = list(iter_problems(load_config(None, [f"data.source={fmt}", f"data.path={path}", *keys]).data))
+    assert problems[2].task["entry_point"] == "add" and "fn" not in problems[2].task.get("meta", {})
+    right = "<think>Add them.</think>\n```python\ndef add(a, b):\n    return a + b\n```"
+    wrong = right.replace("a + b", "a * b")
+    for p in problems:  # each form grades: right passes every test, wrong fails at least one
+        assert score(p.task, right).correct and not score(p.task, wrong).correct, p.problem_id
+    # without the entry point key, check(candidate) cannot name its function: the setting is read
+    with pytest.raises(DataError, match=r"tests column 'cases' \(data.tests_key\): .*needs the entry point"):
+        list(iter_problems(load_config(None, [f"data.source={fmt}", f"data.path={path}", *KEYS]).data))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_malformed_call_tests_name_file_row_and_key(tmp_path, fmt):
+    write = _jsonl if fmt == "jsonl" else _parquet
+    cfg = load_config(None, [*KEYS, "data.entry_point_key=fn"]).data
+    cases = [
+        (json.dumps([{"function": "add", "args": 1, "expected": 3}]), r"tests\[0\]: 'args' must be a list"),
+        (json.dumps([{"function": "add", "args": [1]}]), r"tests\[0\]: 'expected' is missing"),
+        ("[{\"function\": ", "holds text that starts like JSON but is not"),
+        ("x = add(1, 2)\nassert x == 3", "line 1: `add` .*outside an accepted assert"),
+        ("assert add(1, 2) == 3 +", "test code is not valid Python"),
+    ]
+    for i, (tests, why) in enumerate(cases):
+        path = write(tmp_path / f"bad{i}.{fmt}", [{"question": "Add.", "cases": tests}])
+        where = f"{path}:1" if fmt == "jsonl" else f"{path}: row 0"
+        with pytest.raises(DataError, match=f"^{where}: tests column 'cases' \\(data.tests_key\\)(: | )[^\\n]*{why}"):
+            read_problems(path, cfg)
+    path = write(tmp_path / f"bad_fn.{fmt}", [{"question": "Add.", "cases": "assert add(1) == 1", "fn": "two words"}])
+    with pytest.raises(DataError, match=r"entry point column 'fn' \(data.entry_point_key\): 'entry_point' must be"):
+        read_problems(path, cfg)

@@ -35,7 +35,7 @@ from typing import Any
 
 from megatron_rl.reward import plain
 from megatron_rl.reward.call_tests import parse_call_tests
-from megatron_rl.reward.call_types import CallSuite, CallTest
+from megatron_rl.reward.call_types import CallSuite, CallTest, TestFormError
 from megatron_rl.reward.code import (
     SANDBOX_UNAVAILABLE, CodeLimits, CodeResult, Toolchain, classify, limits_with, rlimits, sandbox_for,
     write_file,
@@ -90,6 +90,8 @@ def run_call_tests(code: str, tests: Any, entry_point: str | None = None, limits
             calls = expand_suite(suite, jail, tc, lim)[: lim.max_tests]
         except ExpansionUnavailable as e:
             jail, why = None, str(e)
+        if jail is not None and not calls:  # nothing to pass would pass anything
+            raise TestFormError("the tests make no call of the function (a loop that never ran?)")
     if jail is None:
         return CodeResult(False, 0, 0, SANDBOX_UNAVAILABLE, "python", message=why,
                           total_s=time.perf_counter() - t0)

@@ -118,6 +118,9 @@ def test_expansion_runs_the_test_code_jailed_seeded_and_without_the_candidate():
     expand._CACHE.clear()
     again = run_call_tests("def double(x):\n    return x + x if x % 7 else 1\n", suite, max_tests=100)
     assert again.test_statuses == r2.test_statuses
+    with pytest.raises(TestFormError, match="no call of the function"):  # else anything would pass
+        run_call_tests("def f(x):\n    return x\n", "def check(candidate):\n    for x in []:\n"
+                       "        assert candidate(x) == x\n", "f")
     with pytest.raises(TestFormError, match=r"raised ZeroDivisionError: .* at `.*1 / 0"):
         run_call_tests("def f(x):\n    return x\n", "def check(candidate):\n    y = 1 / 0\n"
                        "    assert candidate(1) == y\n", "f")

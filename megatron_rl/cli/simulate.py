@@ -7,7 +7,8 @@
 Prints one table row per mode and the async / sync throughput ratio. A run config (CONFIG and its
 overrides) sets the pipeline's shape: generator.num_generators, rollout.n_async, n_batch, n_mini,
 group_size and max_staleness; `--calibrate` then fits the trainer, push and generator rates to
-RUN_DIR/metrics.jsonl; flags given explicitly win over both.
+RUN_DIR/metrics.jsonl (with episodes: their turns and tool time too); flags given explicitly win over
+both.
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--lengths", default=None, help="completion lengths: constant:N | lognormal:mean=,sigma= | "
                                       "pareto:low=,ratio=,alpha= | uniform:low=,ratio= | empirical:a,b,c "
                                       "(default lognormal:mean=1000,sigma=0.5)")
+    a("--turns", type=int, default=None, help="model turns per episode (default 1 or --calibrate's)")
+    a("--tool-s", type=float, default=None, help="seconds between two turns off the generator: a tool step "
+                                                "(default 0 or --calibrate's)")
     a("--prompt-len", type=int, default=None, help="prompt tokens per sequence, a trainer cost (default 0)")
     a("--drop-prob", type=float, default=None, help="probability a group is non-diverse (default 0 or --calibrate's)")
     a("--max-staleness", type=int, default=None, help="staleness bound (-1: unbounded; default 4)")
@@ -102,7 +106,7 @@ def build_params(args: argparse.Namespace) -> SimParams:
     direct = {"generators": args.generators, "n_async": args.n_async, "n_batch": args.n_batch,
               "n_mini": args.n_mini, "group": args.group, "prefill_s": args.prefill_s, "train_a_s": args.train_a,
               "train_b_s": args.train_b, "train_step_s": args.train_step_s, "push_s": args.push_s,
-              "prompt_len": args.prompt_len, "drop_prob": args.drop_prob}
+              "prompt_len": args.prompt_len, "drop_prob": args.drop_prob, "turns": args.turns, "tool_s": args.tool_s}
     for key, value in direct.items():
         if value is not None:
             setattr(p, key, value)

@@ -13,7 +13,11 @@ Model (the rules of `control/controller.py` + `control/budget.py`, with measured
   are ready it trains on the groups with the oldest tokens first
   (`train_a_s + n_mini * train_step_s + train_b_s * tokens`), then pushes the weights: every
   generator pauses `push_s` (in-flight sequences keep going afterwards, on the new version);
-- sync: issue enough groups for a batch, wait for all of them (the longest dominates), train, push.
+- sync: issue enough groups for a batch, wait for all of them (the longest dominates), train, push;
+- episodes (`turns` > 1): a sequence's tokens are decoded in `turns` turns of equal share; between two
+  turns it leaves its generator for `tool_s` seconds (the environment's step: a tool run), still in
+  flight for the budget, and its next turn is a new request (another `prefill_s`); a push while it
+  waits makes its next turn's tokens the new version's.
 Figures are taken over a steady-state window: from the end of update `warmup_updates` to the end of
 the last update (cycle boundaries, so deterministic cases reproduce closed forms exactly).
 """
@@ -37,7 +41,7 @@ MAX_SEQUENCES = 2_000_000  # memory guard (~0.5 GB of records)
 class SimParams:
     generators: int = 1
     decode: DecodeModel = field(default_factory=DecodeModel)
-    prefill_s: float = 0.0  # per admitted sequence, stalls its generator
+    prefill_s: float = 0.0  # per request (a sequence's first turn, each later turn), stalls its generator
     train_a_s: float = 0.0  # trainer time per update = a + n_mini * step + b * tokens
     train_b_s: float = 0.0  # seconds per trained token (prompt + completion)
     train_step_s: float = 0.0  # per optimizer step
@@ -46,7 +50,9 @@ class SimParams:
     n_batch: int = 32
     n_mini: int = 4
     group: int = 16
-    lengths: LengthDist = field(default_factory=LengthDist)
+    lengths: LengthDist = field(default_factory=LengthDist)  # model-sampled tokens of a sequence (all its turns)
+    turns: int = 1  # model turns per sequence (episode)
+    tool_s: float = 0.0  # seconds between two turns, off the generator (an environment step)
     prompt_len: int = 0  # tokens per prompt (trainer cost only)
     drop_prob: float = 0.0  # probability that a finished group is non-diverse
     max_staleness: int | None = 4  # None: unbounded
@@ -61,8 +67,9 @@ class SimParams:
                    f"n_mini ({self.n_mini}) must divide n_batch ({self.n_batch})"),
                   (self.n_async >= self.group, f"n_async ({self.n_async}) must be >= group ({self.group})"),
                   (0.0 <= self.drop_prob < 1.0, "drop_prob must lie in [0, 1)"),
-                  (min(self.prefill_s, self.train_a_s, self.train_b_s, self.train_step_s, self.push_s) >= 0,
-                   "times must be >= 0"),
+                  (min(self.prefill_s, self.train_a_s, self.train_b_s, self.train_step_s, self.push_s,
+                       self.tool_s) >= 0, "times must be >= 0"),
+                  (self.turns >= 1, "turns must be >= 1"),
                   (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None"),
                   (0 <= self.warmup_updates < self.updates, "need 0 <= warmup_updates < updates"),
                   (self.prompt_len >= 0, "prompt_len must be >= 0")]
@@ -118,6 +125,7 @@ class _Seq:
     version: int = 0  # the version decoding its next tokens
     marked: float = 0.0  # tokens decoded before the last push it saw
     version_sum: float = 0.0  # sum over its tokens decoded up to `marked` of their version
+    turn_ends: list[int] = field(default_factory=list)  # tokens decoded at the end of each turn left
 
     def mark(self, v_now: float, version: int) -> None:
         """A push: the tokens decoded since the last mark were decoded by `self.version`."""
@@ -171,6 +179,7 @@ class _Sim:
         self.finished = self.finished_tokens = self.dropped = self.dropped_stale = 0
         self.snap: dict | None = None
         self.batches: list[tuple[int, list[int], float]] = []  # (update index, seq ids, train seconds)
+        self.in_tool: set[int] = set()  # sequences between two turns, off their generator
 
     # ------------------------------------------------------------ events
     def _push_event(self, t: float, kind: str, who: int = -1, epoch: int = 0) -> None:
@@ -200,6 +209,20 @@ class _Sim:
         g.blocked_until = max(g.blocked_until, self.now) + seconds  # paused: idle, not busy
         self._reschedule(i)
 
+    def _admit(self, i: int, sid: int) -> None:
+        """Sequence `sid` starts its next turn on generator `i` (a request: its prefill stalls it)."""
+        g, s = self.gens[i], self.seqs[sid]
+        s.v_start = g.v - s.marked  # tokens decoded so far count from its admission's virtual time
+        heapq.heappush(g.heap, (s.v_start + s.turn_ends[0], sid))
+        if self.p.prefill_s:
+            g.busy += self.p.prefill_s
+            g.blocked_until = max(g.blocked_until, self.now) + self.p.prefill_s
+
+    def _turn_ends(self, length: int) -> list[int]:
+        """Tokens decoded at the end of each turn: `length` in `turns` near-equal shares."""
+        t = min(self.p.turns, max(1, length))
+        return [length * (k + 1) // t for k in range(t)]
+
     # ------------------------------------------------------------ controller rules
     def _start_group(self) -> None:
         p = self.p
@@ -214,16 +237,13 @@ class _Sim:
                                "without a staleness bound (set max_staleness) or too many updates were asked")
         ids = []
         for _ in range(p.group):
-            s = _Seq(i, gid, self.draw(), self.now, version, v_start=g.v, version=version)
-            sid = len(self.seqs)
+            length = self.draw()
+            s = _Seq(i, gid, length, self.now, version, v_start=g.v, version=version, turn_ends=self._turn_ends(length))
+            ids.append(len(self.seqs))
             self.seqs.append(s)
-            heapq.heappush(g.heap, (g.v + s.length, sid))
-            ids.append(sid)
+            self._admit(i, ids[-1])
         self.groups[gid] = ids
         self.in_flight += p.group
-        if p.prefill_s:
-            g.busy += p.group * p.prefill_s
-            g.blocked_until = max(g.blocked_until, self.now) + p.group * p.prefill_s
         self._reschedule(i)
 
     def _fill(self) -> None:
@@ -252,8 +272,12 @@ class _Sim:
         while g.heap and g.heap[0][0] <= g.v + 1e-9 * max(1.0, g.v):
             _, sid = heapq.heappop(g.heap)
             s = self.seqs[sid]
+            s.mark(float(s.turn_ends.pop(0)) + s.v_start, s.version)
+            if s.turn_ends:  # to its environment; the next turn is a new request
+                self.in_tool.add(sid)
+                self._push_event(self.now + self.p.tool_s, "tool", sid)
+                continue
             s.finish_t, s.finish_version = self.now, self.gen_version
-            s.mark(float(s.length) + s.v_start, s.version)
             self.in_flight -= 1
             self.finished += 1
             self.finished_tokens += s.length
@@ -264,6 +288,13 @@ class _Sim:
                     self.dropped += len(members)
                 else:
                     self.ready.extend(members)
+        self._reschedule(i)
+
+    def _on_tool_done(self, sid: int) -> None:
+        self.in_tool.discard(sid)
+        i = self.seqs[sid].gen
+        self._advance(self.gens[i])
+        self._admit(i, sid)
         self._reschedule(i)
 
     def _drop_stale_and_order(self) -> None:
@@ -313,6 +344,9 @@ class _Sim:
             self._advance(g)  # tokens decoded so far belong to the old version
             for _, sid in g.heap:
                 self.seqs[sid].mark(g.v, self.version)
+        for sid in self.in_tool:  # its next turn decodes under the new weights
+            s = self.seqs[sid]
+            s.mark(s.v_start + s.marked, self.version)
         self.gen_version = self.version
         self.pushing = False
         self.phase = "idle"
@@ -341,6 +375,8 @@ class _Sim:
                 if epoch != self.gens[who].epoch:
                     continue
                 self._on_finish(who)
+            elif kind == "tool":
+                self._on_tool_done(who)
             elif kind == "trained":
                 self._on_trained()
             else:

@@ -10,8 +10,11 @@ Per metrics row (one trainer update):
   fraction (1 - `generator_idle_frac`) and the generator count it is one generator's rate at its
   mean concurrency n_async / generators, which fixes `peak` of `peak * c / (c + c_half)` for a
   given `c_half` (not identifiable from these rows: pass a measured one);
-- push: `push/wall_s`; lengths: `length/mean`; non-diverse drop probability: cumulative
-  `groups/dropped_non_diverse` / `groups/completed` of the last row.
+- push: `push/wall_s`; lengths: `length/mean`, less its environment tokens (`episode/env_token_frac`):
+  the simulator decodes only the model's; non-diverse drop probability: cumulative
+  `groups/dropped_non_diverse` / `groups/completed` of the last row;
+- episodes: turns = the mean `episode/turns` rounded, tool_s = `episode/tool_s` (environment seconds
+  per episode) / turns: one step after each turn.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ class Calibration:
     mean_length: float | None
     drop_prob: float | None
     rows: int
+    turns: int | None = None
+    tool_s: float | None = None
 
     def apply(self, params: SimParams) -> SimParams:
         """`params` with every fitted rate replaced (what was not measured is kept)."""
@@ -42,6 +47,8 @@ class Calibration:
             out = replace(out, decode=DecodeModel(self.peak_tok_s, self.c_half))
         if self.drop_prob is not None:
             out = replace(out, drop_prob=min(self.drop_prob, 0.99))
+        if self.turns is not None:
+            out = replace(out, turns=self.turns, tool_s=self.tool_s or 0.0)
         return out
 
 
@@ -70,7 +77,7 @@ def calibrate(rows: Iterable[dict[str, Any]], generators: int, n_async: int, pro
     if generators < 1 or n_async < 1:
         raise ValueError("generators and n_async must be >= 1")
     rows = list(rows)[skip:]
-    tokens, times, gen_rates, pushes, lengths = [], [], [], [], []
+    tokens, times, gen_rates, pushes, lengths, turns, tool_s = [], [], [], [], [], [], []
     for r in rows:
         tps, btok, nseq = _num(r, "train/tokens_per_s"), _num(r, "batch/tokens"), _num(r, "batch/sequences")
         if tps and btok:
@@ -85,7 +92,10 @@ def calibrate(rows: Iterable[dict[str, Any]], generators: int, n_async: int, pro
         if (p := _num(r, "push/wall_s")) is not None:
             pushes.append(p)
         if (m := _num(r, "length/mean")) is not None:
-            lengths.append(m)
+            lengths.append(m * (1.0 - (_num(r, "episode/env_token_frac") or 0.0)))
+        if (t := _num(r, "episode/turns")) is not None:
+            turns.append(t)
+            tool_s.append((_num(r, "episode/tool_s") or 0.0) / t)
     if not tokens:
         raise ValueError("no metrics row has train/tokens_per_s and batch/tokens: nothing to calibrate")
     a, b = fit_line(tokens, times)
@@ -99,5 +109,7 @@ def calibrate(rows: Iterable[dict[str, Any]], generators: int, n_async: int, pro
         if done:
             drop = (nd or 0.0) / done
     return Calibration(a, b, statistics.median(pushes) if pushes else None, peak, c_half,
-                       statistics.fmean(lengths) if lengths else None, drop, len(rows))
+                       statistics.fmean(lengths) if lengths else None, drop, len(rows),
+                       max(1, round(statistics.fmean(turns))) if turns else None,
+                       statistics.fmean(tool_s) if tool_s else None)
 

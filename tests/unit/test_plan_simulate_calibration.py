@@ -39,6 +39,17 @@ def test_calibration_recovers_the_rates():
     assert (p.train_a_s, p.train_b_s, p.push_s, p.decode.c_half) == (cal.train_a_s, cal.train_b_s, 0.7, 32.0)
 
 
+def test_calibration_of_an_episode_run_takes_its_turns_tool_time_and_model_tokens():
+    rows = [r | {"episode/turns": t, "episode/tool_s": 0.9 * t, "episode/env_token_frac": 0.25}
+            for r, t in zip(metrics_rows(), [2.8, 3.1, 3.0, 3.2, 2.9])]
+    cal = calibrate(rows, generators=2, n_async=64, skip=0)
+    assert cal.turns == 3 and cal.tool_s == pytest.approx(0.9)  # seconds per step: one after each turn
+    assert cal.mean_length == pytest.approx(0.75 * sum(r["length/mean"] for r in rows) / 5)
+    assert (cal.apply(SimParams()).turns, cal.apply(SimParams()).tool_s) == (3, pytest.approx(0.9))
+    plain = calibrate(metrics_rows(), generators=2, n_async=64, skip=0)
+    assert plain.turns is None and plain.apply(SimParams(turns=2, tool_s=1.0)).turns == 2  # unmeasured: kept
+
+
 def test_fit_line_falls_back_to_a_rate_when_tokens_barely_vary():
     assert fit_line([1000, 1010], [2.0, 2.02]) == (0.0, pytest.approx(4.02 / 2010))
     assert fit_line([1, 2, 3], [3.0, 5.0, 7.0]) == (pytest.approx(1.0), pytest.approx(2.0))
@@ -71,6 +82,15 @@ def test_cli_prints_both_modes_and_writes_json(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["params"]["n_async"] == 64 and doc["params"]["lengths"]["kind"] == "pareto"
     assert doc["async"]["sequences_per_s"] > 0 and doc["sync"]["staleness_max"] == 0
+    # episodes: tool steps as long as a turn's decode slow the synchronous round, which waits them out
+    shape = ["simulate", "--n-async", "32", "--n-batch", "32", "--n-mini", "1", "--group", "8", "--peak-tok-s",
+             "400", "--lengths", "constant:120", "--updates", "8", "--warmup", "2", "--json", str(out)]
+    runs = []
+    for extra in ([], ["--turns", "3", "--tool-s", "0.5"]):
+        assert cli_main(shape + extra) == 0
+        runs.append(json.loads(out.read_text()))
+    assert (runs[1]["params"]["turns"], runs[1]["params"]["tool_s"]) == (3, 0.5)
+    assert runs[1]["sync"]["sequences_per_s"] < runs[0]["sync"]["sequences_per_s"]
 
 
 def test_cli_calibrated_and_errors(tmp_path, capsys):

@@ -30,7 +30,7 @@ from megatron_rl.reward import plain
 from megatron_rl.reward.call_types import CallTest, Expansion, Form, TestFormError
 from megatron_rl.reward.compare import FLOAT_ABS_TOL, FLOAT_REL_TOL, WRAPS
 
-RECORDER = "__mrl__"  # the name the expansion program records through (reward.expand_runner)
+RECORDER = "__mrl__"  # the name the expansion program records through (reward.call_runner binds it)
 _CONST_CALLS = {f.__name__: f for f in (set, frozenset, tuple, list, dict, float, int, str, bool, sorted)}
 _BUILTINS = set(dir(builtins))
 _INERT = (ast.Import, ast.ImportFrom, ast.Pass, ast.FunctionDef, ast.AsyncFunctionDef)

@@ -27,7 +27,7 @@ import sys
 import types
 
 BOX = os.path.dirname(os.path.abspath(__file__))  # /box in the sandbox; the workspace when run bare
-RECORDER = "__mrl__"
+RECORDER = "__mrl__"  # = reward.asserts.RECORDER (this file imports nothing of megatron_rl)
 
 
 def load_plain():

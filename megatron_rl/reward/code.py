@@ -1,7 +1,8 @@
 """Code verifier: compile (C++) and run (Python, C++) a program on stdin/stdout tests in the sandbox.
 
 ``run_tests(code, tests, language)`` -> ``CodeResult``. All tests must pass (no partial credit);
-grading stops at the first failing test. Every test runs in a fresh sandbox (megatron_rl.reward
+grading stops at the first failing test. (Python function-call tests -- calls with expected results,
+assert code -- are graded by reward.calls, into the same CodeResult.) Every test runs in a fresh sandbox (megatron_rl.reward
 .sandbox); C++ is compiled once in its own sandbox with a writable /box, then /box is read-only.
 
 Output comparison (``outputs_match``): both sides are decoded as UTF-8 (bad bytes replaced), CRLF

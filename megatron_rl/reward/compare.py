@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron_rl.reward.plain import check_hashes
+
 FLOAT_REL_TOL = 1e-9
 FLOAT_ABS_TOL = 1e-9
 _NUMBER = (bool, int, float)
@@ -61,6 +63,8 @@ def apply_wraps(value: Any, wraps: tuple[tuple[str, tuple], ...]) -> Any:
     """``value`` passed through the named built-ins, innermost first: (("set", ()),) is set(value),
     (("round", (2,)),) is round(value, 2). Raises what the built-in raises (a failed test)."""
     for name, extra in wraps:
+        if name in ("set", "frozenset") and isinstance(value, (list, tuple)):
+            check_hashes(value, name)  # a set of colliding ints would cost O(n^2) here
         value = WRAPS[name](value, *extra)
     return value
 

@@ -25,6 +25,7 @@ import json
 from typing import Any
 
 MAX_DEPTH = 100  # containers nested deeper are refused on both sides (no RecursionError in the verifier)
+MAX_SHARED_HASHES = 64  # elements of one set (keys of one dict) that may repeat another's hash value
 TAGS = ("tuple", "set", "frozenset", "dict", "bytes", "int")
 _SMALL_INT = 1 << 63
 
@@ -96,18 +97,27 @@ def _decode(o: Any, depth: int) -> Any:
     if not isinstance(body, list):
         raise PlainError(f"{tag}: a list is needed")
     items = [_decode(x, depth + 1) for x in body]
-    try:
-        if tag == "tuple":
-            return tuple(items)
-        if tag == "set":
-            return set(items)
-        if tag == "frozenset":
-            return frozenset(items)
+    if tag == "tuple":
+        return tuple(items)
+    if tag == "dict":
         if not all(isinstance(p, list) and len(p) == 2 for p in items):
             raise PlainError("dict: a list of [key, value] pairs is needed")
+        check_hashes([k for k, _ in items], tag)
         return {k: v for k, v in items}
+    check_hashes(items, tag)
+    return set(items) if tag == "set" else frozenset(items)
+
+
+def check_hashes(items: list, what: str) -> None:
+    """PlainError when ``items`` cannot all be hashed, or more than MAX_SHARED_HASHES repeat a hash value:
+    ints hash modulo 2**61 - 1, so a program can make thousands collide, and Python builds a set of n
+    colliding elements in O(n^2) -- seconds to minutes of the verifier's time for one result."""
+    try:
+        shared = len(items) - len({hash(x) for x in items})
     except TypeError as e:  # an unhashable key or set element
-        raise PlainError(f"{tag}: {e}") from None
+        raise PlainError(f"{what}: {e}") from None
+    if shared > MAX_SHARED_HASHES:
+        raise PlainError(f"{what}: {shared} elements repeat the hash value of another")
 
 
 def _scalar(tag: str, body: Any) -> int | bytes:

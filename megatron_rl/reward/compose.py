@@ -10,7 +10,6 @@ plug-in of reward.custom.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Any
 
@@ -19,15 +18,6 @@ from megatron_rl.reward.format import FormatResult, check_format
 from megatron_rl.reward.language import check_consistency, policy_for
 from megatron_rl.reward.length import estimate_tokens, overlong_penalty
 from megatron_rl.reward.types import CodeTask, GradeStatus, MathTask, RewardBreakdown, Task, parse_task
-
-# RewardConfig field -> names run_tests may call that limit (the first one it accepts is used).
-_CODE_LIMITS = {
-    "code_compile_timeout_s": ("compile_timeout_s", "compile_timeout"),
-    "code_test_timeout_s": ("test_timeout_s", "timeout_s", "timeout"),
-    "code_memory_mb": ("memory_mb",),
-    "code_max_output_bytes": ("max_output_bytes", "output_limit_bytes"),
-    "code_max_tests": ("max_tests",),
-}
 
 
 def _grade_math(task: MathTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
@@ -38,27 +28,10 @@ def _grade_math(task: MathTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[b
     return res.equal, {"prediction": res.prediction, "math_status": res.status}
 
 
-def code_limits(cfg: RewardConfig, run_tests) -> dict[str, Any]:
-    """Keyword limits for run_tests taken from RewardConfig, under the names run_tests accepts."""
-    params = inspect.signature(run_tests).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    limits = {}
-    for field_name, names in _CODE_LIMITS.items():
-        name = next((n for n in names if n in params), names[0] if takes_any else None)
-        if name is not None:
-            limits[name] = getattr(cfg, field_name)
-    return limits
-
-
 def _grade_code(task: CodeTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
-    from megatron_rl.reward.calls import run_call_tests
-    from megatron_rl.reward.code import run_tests
+    from megatron_rl.reward.code_task import run_task_tests
 
-    if task.calls is not None:  # function-call tests: one sandboxed process, results compared here
-        result = run_call_tests(fmt.code, task.calls, **code_limits(cfg, run_call_tests))
-    else:
-        tests = list(task.tests[:cfg.code_max_tests])  # Magistral: at most 20 tests, all must pass
-        result = run_tests(fmt.code, tests, language=task.language, **code_limits(cfg, run_tests))
+    result = run_task_tests(task, fmt.code, cfg)  # Magistral: at most 20 tests, all must pass
     details = {"code_status": str(result.status), "n_passed": int(result.n_passed), "n_tests": int(result.n_tests)}
     if not result.graded:  # the program never ran: score() reports a grading failure, not a wrong answer
         details["sandbox_error"] = result.message

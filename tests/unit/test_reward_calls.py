@@ -160,3 +160,20 @@ def test_missing_sandbox_is_no_verdict(monkeypatch, tmp_path):
     assert (r.passed, r.status, r.graded) == (False, "sandbox_unavailable", False) and "bwrap" in r.message
     r = run_call_tests("def f():\n    return 1\n", calls, allow_unsandboxed=True)
     assert (r.passed, r.sandboxed) == (True, False), r.message
+
+
+def test_a_program_graded_on_a_task_of_either_kind_under_the_config_limits():
+    """What a tool environment calls with a program: the reward's grading without the format gate."""
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.reward.code_task import run_task_tests
+    from megatron_rl.reward.types import TaskError
+
+    code = "def add(a, b):\n    return a + b\n\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))\n"
+    tasks = {"calls": {"kind": "code", "tests": [{"function": "add", "args": [i, i], "expected": 2 * i} for i in range(5)]},
+             "stdio": {"kind": "code", "tests": [{"input": f"{i} {i}\n", "output": f"{2 * i}\n"} for i in range(5)]}}
+    for kind, task in tasks.items():
+        full = run_task_tests(task, code)
+        capped = run_task_tests(task, code, RewardConfig(code_max_tests=2))
+        assert (full.passed, full.n_tests, capped.passed, capped.n_tests) == (True, 5, True, 2), kind
+    with pytest.raises(TaskError, match="a code task is needed"):
+        run_task_tests({"kind": "math", "answer": "1"}, code)

@@ -18,7 +18,7 @@ class DataConfig:
     task: str = "basic_arithmetic"  # reasoning-gym task name
     size: int = 1000
     seed: int = 0
-    # Template name in megatron_rl.data.prompts (magistral, magistral_prefill, short, none) or, when it holds whitespace, the system prompt's own text
+    # Template name in megatron_rl.data.prompts (magistral, magistral_prefill, short, short_python, none) or, when it holds whitespace, the system prompt's own text
     system_prompt: str = "magistral"
     # UTF-8 text file whose content replaces the system text of system_prompt's template (its assistant prefix stays)
     system_prompt_file: str | None = None

@@ -51,6 +51,12 @@ TEMPLATES: dict[str, PromptTemplate] = {
     # Compact instructions for tiny models and the CPU demo.
     "short": PromptTemplate("short", "Think inside <think> </think>, then give the final answer in \\boxed{}.",
                             assistant_prefix="<think>\n"),
+    # `short` for the python tool environment (env.name: python): the tool-call format is spelled out
+    # here because small models' chat templates (SmolLM2's) do not render the `tools=` schemas.
+    "short_python": PromptTemplate(
+        "short_python", "Think inside <think> </think>, then give the final answer in \\boxed{}. To compute, call "
+        "the Python tool: <tool_call>{\"name\": \"python\", \"arguments\": {\"code\": \"print(...)\"}}</tool_call>; "
+        "what it prints comes back in a tool message.", assistant_prefix="<think>\n"),
     "none": PromptTemplate("none", None),
 }
 

@@ -8,7 +8,9 @@ minibatch (the same per-token normaliser as the RL loss). Records (JSONL, one pe
   trace of several turns (assistant, tool or user, assistant, ...) is laid out as an episode is
   (`data.turns.ChatTurns`): each assistant message and its stop token are trained, the messages
   between them are rendered once by the chat template and carry no loss (`loss_mask` 0), or
-- `{"prompt_ids": [int], "completion_ids": [int]}` (already tokenised).
+- `{"prompt_ids": [int], "completion_ids": [int]}` (already tokenised), with an optional `"loss_mask"`
+  ([0/1] per completion id: 0 on tokens the model did not write, e.g. a tool's output in a trace
+  laid out as an episode, `data.synthetic.episode_trace`).
 The completion ends with the tokenizer's EOS token so the model learns to stop.
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 def tokenize_record(record: dict[str, Any], tokenizer=None) -> SFTExample:
     """One JSONL record -> token ids (see the module docstring for the accepted forms)."""
     if "prompt_ids" in record and "completion_ids" in record:
-        return SFTExample(list(record["prompt_ids"]), list(record["completion_ids"]))
+        return SFTExample(list(record["prompt_ids"]), list(record["completion_ids"]), _loss_mask(record))
     if tokenizer is None:
         raise ValueError("text records need a tokenizer")
     if "messages" in record:
@@ -70,6 +72,15 @@ def tokenize_record(record: dict[str, Any], tokenizer=None) -> SFTExample:
     if tokenizer.eos_token_id is not None:
         comp = comp + [tokenizer.eos_token_id]
     return SFTExample(list(prompt), list(comp))
+
+
+def _loss_mask(record: dict[str, Any]) -> list[int] | None:
+    mask = record.get("loss_mask")
+    if mask is None:
+        return None
+    if not isinstance(mask, list) or len(mask) != len(record["completion_ids"]) or set(mask) - {0, 1}:
+        raise ValueError(f"loss_mask must be a list of 0/1, one per completion id ({len(record['completion_ids'])})")
+    return list(mask)
 
 
 def _episode(tokenizer, msgs: list[dict[str, str]], first: int) -> SFTExample:

@@ -91,6 +91,15 @@ def test_a_multi_turn_trace_trains_the_assistant_turns_only():
         tokenize_record({"messages": msgs[:2] + [{"role": "assistant", "content": "again"}]}, tok)
 
 
+def test_an_ids_record_may_carry_its_loss_mask():
+    """An episode already laid out in ids (data.synthetic.episode_trace): its mask is kept, one 0/1 per id."""
+    ex = tokenize_record({"prompt_ids": [1, 2], "completion_ids": [3, 4, 5], "loss_mask": [1, 0, 1]})
+    assert ex == SFTExample([1, 2], [3, 4, 5], [1, 0, 1])
+    for bad in ([1, 0], [1, 2, 1], "101"):
+        with pytest.raises(ValueError, match="loss_mask must be a list of 0/1, one per completion id"):
+            tokenize_record({"prompt_ids": [1], "completion_ids": [3, 4, 5], "loss_mask": bad})
+
+
 def test_sft_cli_trains_logs_and_checkpoints(tiny_llama_dir, tmp_path):
     from megatron_rl import cli
     from megatron_rl.train.checkpoint import read_common

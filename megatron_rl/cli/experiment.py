@@ -20,9 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="run directories (default runs/experiments/NAME)")
     parser.add_argument("--results", help="metrics copies, table.md, figure.png (default experiments/NAME/results)")
     parser.add_argument("--arms", help="comma-separated subset of the arms (default: all)")
-    parser.add_argument("--base-model", help="HF directory (or smollm2-135m) to start RL from instead of the "
-                        "SFT cold start made in PREP (the default), e.g. runs/cpu_demo/sft-hf")
-    parser.add_argument("--data", help="directory with problems.jsonl (and eval.jsonl) (default: the demo's data)")
+    parser.add_argument("--base-model", help="HF directory (or smollm2-135m) to start every arm's RL from instead "
+                        "of the SFT cold starts made in PREP (the default), e.g. runs/cpu_demo/sft-hf")
+    parser.add_argument("--data", help="directory with problems.jsonl (and eval.jsonl) (default: made in PREP by "
+                        "the experiment's prepare.data script, else the demo's)")
     parser.add_argument("--prepare-dir", help="where data and the SFT model are made once (default OUT/../_prepare)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run, e.g. "
                         "rollout.n_batch=8")
@@ -69,8 +70,9 @@ def _run_all(exp, args: argparse.Namespace, updates: int, results_dir: Path, run
     prep = Path(args.prepare_dir) if args.prepare_dir else out.parent / "_prepare"
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else None
     runs = runner.plan_runs(exp, out, args.seeds or exp.seeds, arms)
-    model, data = runner.prepare(prep, exp.directory.parent / "base.yaml", args.base_model, args.data)
-    runner.write_configs(exp, runs, updates, model, data, args.overrides)
+    models, data = runner.prepare(exp, sorted({r.arm for r in runs}), prep, exp.directory.parent / "base.yaml",
+                                  args.base_model, args.data)
+    runner.write_configs(exp, runs, updates, models, data, args.overrides)
     for i, run in enumerate(runs, 1):
         t0 = time.time()
         status = runner.run_one(run, updates, args.overrides, args.keep_checkpoints)

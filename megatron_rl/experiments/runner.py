@@ -10,7 +10,8 @@ A finished run's metrics.jsonl is copied to the results directory and its checkp
 
 The model and data are prepared once in PREP (default OUT/../_prepare, shared by the experiments):
 the CPU demo's data (examples/cpu_demo_data.py) and its SFT cold start + HF export, unless
---base-model / --data name existing ones.
+--base-model / --data name existing ones. An experiment with its own `prepare` (spec.Preparation) gets
+them in PREP/NAME: its data script's output and one cold start per traces file its arms name.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl.experiments.spec import Experiment, ExperimentError, RunSpec, run_config
+from megatron_rl.experiments.spec import Experiment, ExperimentError, Preparation, RunSpec, run_config
 from megatron_rl.train.checkpoint_dirs import holds_checkpoints
 
 DONE_FILE = "experiment_done.json"
@@ -44,31 +45,43 @@ def _call(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit status {status}); run the experiment command again to continue")
 
 
-def sft_arguments(base_config: Path, data: Path, sft_dir: Path) -> list[str]:
+def sft_arguments(base_config: Path, data: Path, sft_dir: Path, traces: str = "sft.jsonl") -> list[str]:
     """`megatron-rl sft` arguments of the demo's cold start (examples/cpu_demo.sh). The base config's
     data paths are set per run, so they are given here too: the config must validate."""
     return [str(base_config), "trainer.lr=5e-5", f"run.output_dir={sft_dir}",
             f"data.path={data / 'problems.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}",
-            "--data", str(data / "sft.jsonl"), "--batch-size", "8", "--epochs", "1"]
+            "--data", str(data / traces), "--batch-size", "8", "--epochs", "1"]
 
 
-def prepare(prep_dir: Path, base_config: Path, base_model: str | None, data_dir: str | None) -> tuple[str, Path]:
-    """(model for RL, data directory): the demo's data and SFT cold start, each made once."""
-    data = Path(data_dir) if data_dir else prep_dir / "data"
+def prepare(exp: Experiment, arms: list[str], prep_dir: Path, base_config: Path, base_model: str | None,
+            data_dir: str | None) -> tuple[dict[str, str], Path]:
+    """(model for RL of each of `arms`, data directory): the experiment's data and SFT cold starts, each
+    made once (spec.Preparation)."""
+    prep: Preparation = exp.preparation
+    home = prep_dir if prep.shared else prep_dir / exp.name
+    data = Path(data_dir) if data_dir else home / "data"
     if not (data / "problems.jsonl").is_file():
         if data_dir:
             raise ExperimentError(f"--data {data_dir}: no problems.jsonl there")
-        _call([sys.executable, str(ROOT / "examples" / "cpu_demo_data.py"), str(data)], "data")
+        _call([sys.executable, str(prep.script), str(data)], "data")
     if base_model:
-        return base_model, data
-    hf_dir = prep_dir / "sft-hf"
+        return {arm: base_model for arm in arms}, data
+    models = {traces: cold_start(home, base_config, data, traces) for traces in sorted({prep.traces[a] for a in arms})}
+    return {arm: models[prep.traces[arm]] for arm in arms}, data
+
+
+def cold_start(home: Path, base_config: Path, data: Path, traces: str) -> str:
+    """The HF export of an SFT cold start on DATA/TRACES (the demo's, examples/cpu_demo.sh), made once in
+    HOME/STEM (checkpoints) and HOME/STEM-hf, STEM the traces' file name without its suffix."""
+    stem = Path(traces).stem
+    hf_dir = home / f"{stem}-hf"
     if not (hf_dir / "config.json").is_file():
-        sft_dir = prep_dir / "sft"
-        if not holds_checkpoints(sft_dir / "checkpoints"):  # the demo's cold start (examples/cpu_demo.sh)
-            _call(_cli("sft", *sft_arguments(base_config, data, sft_dir)), "SFT cold start")
+        sft_dir = home / stem
+        if not holds_checkpoints(sft_dir / "checkpoints"):
+            _call(_cli("sft", *sft_arguments(base_config, data, sft_dir, traces)), f"SFT cold start on {traces}")
         _call(_cli("convert", "to-hf", str(sft_dir / "checkpoints"), str(hf_dir), "--hf-config", "smollm2-135m"),
               "export to HF")
-    return str(hf_dir), data
+    return str(hf_dir)
 
 
 def plan_runs(exp: Experiment, out: Path, seeds: int, arms: list[str] | None) -> list[RunSpec]:
@@ -80,13 +93,13 @@ def plan_runs(exp: Experiment, out: Path, seeds: int, arms: list[str] | None) ->
             for arm in chosen for seed in range(seeds)]
 
 
-def write_configs(exp: Experiment, runs: list[RunSpec], updates: int, model: str, data: Path,
+def write_configs(exp: Experiment, runs: list[RunSpec], updates: int, models: dict[str, str], data: Path,
                   overrides: list[str]) -> None:
     """Write every run's merged config and check it (with the overrides) before anything runs."""
     from megatron_rl.config import ConfigError, load_config
 
     for run in runs:
-        cfg = run_config(exp, run.arm, run.seed, run.run_dir, updates, model, data)
+        cfg = run_config(exp, run.arm, run.seed, run.run_dir, updates, models[run.arm], data)
         run.config_path.parent.mkdir(parents=True, exist_ok=True)
         run.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         try:

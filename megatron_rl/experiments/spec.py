@@ -1,12 +1,16 @@
 """An experiment: a shared base config, one YAML of overrides per arm, and what to compare.
 
     experiments/base.yaml                the base training config shared by every experiment
-    experiments/NAME/experiment.yaml     claim, base, updates, seeds, metrics, x axis, optional target
+    experiments/NAME/experiment.yaml     claim, base, updates, seeds, metrics, x axis, optional target,
+                                         optional prepare (its own data and SFT cold starts)
     experiments/NAME/arms/ARM.yaml       the overrides of one arm (nested like a config file)
     experiments/NAME/results/            metrics of every run (ARM-seedK.jsonl), table.md, figure.png
 
 An arm's run config = base, then the arm's overrides, then what the runner sets per run (output dir,
-updates, seed, model and data paths), then the command line's --set overrides. Every arm is checked
+updates, seed, model and data paths), then the command line's --set overrides. The model and data are
+made once before the runs (`Preparation`): by default the CPU demo's, shared by every experiment that
+does not say `prepare: {data: SCRIPT, sft: {ARM: TRACES, ...}}` (a script `python SCRIPT DIR` that
+writes problems.jsonl, eval.jsonl and the traces; each arm's cold start trains on the traces it names). Every arm is checked
 with the project's own config loader before anything runs, so a bad key names the arm's file.
 """
 from __future__ import annotations
@@ -18,9 +22,11 @@ from typing import Any, Literal
 
 import yaml
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS_DIR = ROOT / "experiments"
 SPEC_FILE = "experiment.yaml"
-_KEYS = {"claim", "base", "updates", "seeds", "metrics", "x", "target", "at_updates"}
+_KEYS = {"claim", "base", "updates", "seeds", "metrics", "x", "target", "at_updates", "prepare"}
+DEMO_DATA = ROOT / "examples" / "cpu_demo_data.py"  # the default preparation's data: the CPU demo's
 
 
 class ExperimentError(ValueError):
@@ -35,6 +41,17 @@ class Target:
     value: float
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """Made once before the runs: the data (`python script DIR`) and one SFT cold start per traces file
+    (a file the script writes) that the arms name. `shared`: the CPU demo's, made in the preparation
+    directory itself and shared by every experiment without a `prepare` key; else in its NAME/ below it."""
+
+    script: Path
+    traces: dict[str, str]  # arm -> the SFT traces (in the data directory) its cold start trains on
+    shared: bool = False
+
+
 @dataclass
 class Experiment:
     name: str
@@ -42,6 +59,7 @@ class Experiment:
     claim: str
     base: dict[str, Any]
     arms: dict[str, dict[str, Any]]  # arm name -> overrides, in file-name order
+    preparation: Preparation  # the data and cold starts the runs start from
     updates: int = 20
     seeds: int = 2
     metrics: list[str] = field(default_factory=lambda: ["reward/mean", "pass_rate"])
@@ -112,7 +130,8 @@ def load_experiment(name: str) -> Experiment:
         raise ExperimentError(f"{spec_path}: target must be {{metric: NAME, value: NUMBER}}")
     exp = Experiment(
         name=directory.name, directory=directory, claim=str(spec.get("claim", "")).strip(),
-        base=_read_yaml(base_path), arms=arms, updates=int(spec.get("updates", 20)),
+        base=_read_yaml(base_path), arms=arms, preparation=_preparation(spec.get("prepare"), spec_path, list(arms)),
+        updates=int(spec.get("updates", 20)),
         seeds=int(spec.get("seeds", 2)), metrics=list(spec.get("metrics", ["reward/mean", "pass_rate"])),
         x=spec.get("x", "update"), target=Target(str(target["metric"]), float(target["value"])) if target else None,
         at_updates=spec.get("at_updates"))
@@ -121,6 +140,21 @@ def load_experiment(name: str) -> Experiment:
     if exp.updates < 1 or exp.seeds < 1:
         raise ExperimentError(f"{spec_path}: updates and seeds must be >= 1")
     return exp
+
+
+def _preparation(prepare: Any, spec_path: Path, arms: list[str]) -> Preparation:
+    if prepare is None:
+        return Preparation(DEMO_DATA, {arm: "sft.jsonl" for arm in arms}, shared=True)
+    if not (isinstance(prepare, dict) and set(prepare) == {"data", "sft"} and isinstance(prepare["sft"], dict)):
+        raise ExperimentError(f"{spec_path}: prepare must be {{data: SCRIPT, sft: {{ARM: TRACES, ...}}}}, got {prepare!r}")
+    script = ROOT / str(prepare["data"])
+    if not script.is_file():
+        raise ExperimentError(f"{spec_path}: prepare.data: {script} not found (a path from the repository root)")
+    traces = {str(arm): str(name) for arm, name in prepare["sft"].items()}
+    if set(traces) != set(arms):
+        raise ExperimentError(f"{spec_path}: prepare.sft must name the traces of every arm and only those: "
+                              f"missing {sorted(set(arms) - set(traces))}, unknown {sorted(set(traces) - set(arms))}")
+    return Preparation(script, traces)
 
 
 @dataclass(frozen=True)

@@ -24,18 +24,22 @@ def data_dir(tmp_path) -> Path:
     return d
 
 
+def _models(exp, model: str) -> dict[str, str]:
+    return {arm: model for arm in exp.arms}
+
+
 def test_issue_19_experiments_exist_and_every_arm_is_a_valid_config(tmp_path, data_dir):
-    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync"} <= set(list_experiments())
+    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync", "tool_use"} <= set(list_experiments())
     for name in list_experiments():
         exp = load_experiment(name)
         assert len(exp.arms) >= 2 and exp.seeds >= 2, name
         runs = runner.plan_runs(exp, tmp_path / name, exp.seeds, None)
-        runner.write_configs(exp, runs, exp.updates, "smollm2-135m", data_dir, [])  # load_config checks each
+        runner.write_configs(exp, runs, exp.updates, _models(exp, "smollm2-135m"), data_dir, [])  # load_config checks each
         assert len(runs) == len(exp.arms) * exp.seeds
     # the arm's override wins over the base; the runner's per-run keys over both
     exp = load_experiment("batch_vs_minibatch")
     run = runner.plan_runs(exp, tmp_path / "b", 2, ["n_mini4"])[1]
-    runner.write_configs(exp, [run], 7, "MODEL", data_dir, [])
+    runner.write_configs(exp, [run], 7, _models(exp, "MODEL"), data_dir, [])
     cfg = yaml.safe_load(run.config_path.read_text())
     assert cfg["rollout"]["n_mini"] == 4 and cfg["rollout"]["n_batch"] == exp.base["rollout"]["n_batch"]
     assert (cfg["run"]["updates"], cfg["run"]["output_dir"], cfg["trainer"]["model"]) == (7, str(run.run_dir), "MODEL")
@@ -57,9 +61,70 @@ def test_bad_arm_or_override_names_the_file(tmp_path, data_dir):
         runner.plan_runs(exp, tmp_path, 1, ["nope"])
     exp.arms["group"] = {"algo": {"adv_norm": "sometimes"}}
     with pytest.raises(ExperimentError, match=r"arms/group.yaml.*adv_norm"):
-        runner.write_configs(exp, runner.plan_runs(exp, tmp_path, 1, ["group"]), 2, "m", data_dir, [])
+        runner.write_configs(exp, runner.plan_runs(exp, tmp_path, 1, ["group"]), 2, _models(exp, "m"), data_dir, [])
     with pytest.raises(ExperimentError, match="no experiment"):
         load_experiment("no_such_experiment")
+
+
+def _experiment_dir(tmp_path: Path, prepare) -> Path:
+    d = tmp_path / "exp"
+    (d / "arms").mkdir(parents=True)
+    (tmp_path / "base.yaml").write_text("")
+    for arm in ("a", "b", "c"):
+        (d / "arms" / f"{arm}.yaml").write_text("")
+    (d / "experiment.yaml").write_text(yaml.safe_dump({"claim": "x", "prepare": prepare}))
+    return d
+
+
+@pytest.mark.parametrize("prepare, error", [
+    ("examples/tool_demo_data.py", "prepare must be"),
+    ({"data": "examples/tool_demo_data.py"}, "prepare must be"),
+    ({"data": "examples/nope.py", "sft": {"a": "t.jsonl", "b": "t.jsonl", "c": "t.jsonl"}}, "prepare.data: .*nope.py not found"),
+    ({"data": "examples/tool_demo_data.py", "sft": {"a": "t.jsonl", "d": "t.jsonl"}},
+     r"prepare.sft must name .* missing \['b', 'c'\], unknown \['d'\]"),
+])
+def test_a_bad_prepare_key_is_one_line_naming_it(tmp_path, prepare, error):
+    with pytest.raises(ExperimentError, match=error) as e:
+        load_experiment(str(_experiment_dir(tmp_path, prepare)))
+    assert "experiment.yaml" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prepare_makes_the_data_once_and_one_cold_start_per_traces_file(tmp_path, monkeypatch):
+    """An experiment's own preparation: its data script, then an SFT + HF export per distinct traces file
+    (arms naming the same file share the model), in PREP/NAME; made once, reused by the next call. The
+    experiments without `prepare` share the demo's, in PREP itself."""
+    calls = []
+
+    def fake(cmd, what):  # what each step leaves behind
+        calls.append(what)
+        if what == "data":
+            (Path(cmd[-1]) / "problems.jsonl").parent.mkdir(parents=True)
+            (Path(cmd[-1]) / "problems.jsonl").write_text("")
+        elif what.startswith("SFT"):
+            out = Path(next(a for a in cmd if a.startswith("run.output_dir=")).split("=", 1)[1])
+            (out / "checkpoints").mkdir(parents=True)
+            (out / "checkpoints" / TRACKER).write_text("4")
+        else:  # export to HF
+            Path(cmd[-3]).mkdir(parents=True)
+            (Path(cmd[-3]) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(runner, "_call", fake)
+    exp = load_experiment(str(_experiment_dir(tmp_path, {
+        "data": "examples/tool_demo_data.py", "sft": {"a": "tool.jsonl", "b": "direct.jsonl", "c": "tool.jsonl"}})))
+    prep = tmp_path / "prep"
+    models, data = runner.prepare(exp, ["a", "b", "c"], prep, tmp_path / "base.yaml", None, None)
+    assert data == prep / "exp" / "data" and calls[0] == "data"
+    assert models == {"a": str(prep / "exp" / "tool-hf"), "b": str(prep / "exp" / "direct-hf"),
+                      "c": str(prep / "exp" / "tool-hf")}
+    assert calls[1:] == ["SFT cold start on direct.jsonl", "export to HF", "SFT cold start on tool.jsonl", "export to HF"]
+    assert runner.prepare(exp, ["b"], prep, tmp_path / "base.yaml", None, None) == ({"b": models["b"]}, data)
+    assert len(calls) == 5  # nothing made twice
+    assert runner.prepare(exp, ["a"], prep, tmp_path / "base.yaml", "M", None)[0] == {"a": "M"}  # --base-model
+
+    demo = load_experiment("adv_norm")  # no `prepare`: the demo's, shared, where it has always been
+    models, data = runner.prepare(demo, list(demo.arms), prep, tmp_path / "base.yaml", None, None)
+    assert data == prep / "data" and set(models.values()) == {str(prep / "sft-hf")}
+    assert calls[5:] == ["data", "SFT cold start on sft.jsonl", "export to HF"]
 
 
 def test_runner_skips_finished_resumes_checkpointed_and_restarts_the_rest(tmp_path, monkeypatch):
@@ -78,7 +143,7 @@ def test_runner_skips_finished_resumes_checkpointed_and_restarts_the_rest(tmp_pa
     data.mkdir()
     (data / "problems.jsonl").write_text("")
     fresh, resumed, finished = runner.plan_runs(exp, tmp_path / "out", 3, ["n_mini1"])
-    runner.write_configs(exp, [fresh, resumed, finished], 2, "m", data, [])
+    runner.write_configs(exp, [fresh, resumed, finished], 2, _models(exp, "m"), data, [])
     (fresh.run_dir / "stale.txt").parent.mkdir(parents=True)
     (fresh.run_dir / "stale.txt").write_text("left by a run stopped before its first checkpoint")
     (resumed.run_dir / "checkpoints").mkdir(parents=True)

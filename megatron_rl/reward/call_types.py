@@ -89,7 +89,3 @@ class CallSuite:
     """A task's function-call tests in order: ready CallTests, and Expansions run at grading time."""
 
     parts: tuple[tuple[CallTest, ...] | Expansion, ...]
-
-    @property
-    def needs_running(self) -> bool:
-        return any(isinstance(p, Expansion) for p in self.parts)

@@ -1,16 +1,19 @@
 """Multi-turn episodes vs single-turn samples on one real generator, and the python tool's overhead.
 
-    .venv/bin/python benchmarks/episodes.py                 # ~3 minutes on 2 idle cores
-    .venv/bin/python benchmarks/episodes.py --episodes 8 --turns 3 --tool-ms 50
+    .venv/bin/python benchmarks/episodes.py                 # ~4 minutes on 2 idle cores
+    .venv/bin/python benchmarks/episodes.py --episodes 32 --in-flight 8 --turns 3 --tool-ms 50
 
 1. Throughput. One SGLang server (tiny random Llama, tests/support/models.py) plays `--episodes`
    episodes of `--turns` turns of exactly `--turn-tokens` sampled tokens each (ignore_eos), with a
-   scripted tool of a fixed cost (`--tool-ms` of sleep per step) between turns, all in flight at once;
-   then the same number of single-turn samples of turns x turn-tokens tokens each: the same sampled
-   tokens. Printed: sampled tokens/s of each and their ratio (target: >= 0.8 when the tool's time is
-   below a turn's decode time), the share of the multi-turn wall time the tools took in all (tool time
-   summed over episodes / wall / episodes in flight: how much of it other episodes' decoding hid), and
-   the cached share of the turns' prompt tokens.
+   scripted tool of a fixed cost (`--tool-ms` of sleep per step) between turns; then the same number of
+   single-turn samples of turns x turn-tokens tokens each: the same sampled tokens. Both keep
+   `--in-flight` samples running, starting the next as one finishes: the regime of the training loop,
+   whose budget refills as samples finish (`--lockstep` starts them all at once instead: every episode
+   calls its tool at the same moment, the worst case, seen only at a run's start). Printed: sampled
+   tokens/s of each and their ratio (target: >= 0.8 when the tool's time is below a turn's decode time),
+   the generator's busy fraction while tools run (of the time tools ran, the share during which the
+   server was decoding or prefilling some other request), and the cached share of the turns' prompt
+   tokens.
 2. Tool overhead. `PythonTool.step` on a `print(1)` tool call vs the bare sandbox run of the same code
    (`Jail.run` with the tool's limits), medians over `--calls`, interleaved: the environment's per-call
    overhead (parsing, workspace, slots, observation).
@@ -36,10 +39,11 @@ from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup  # noqa: E40
 
 
 class FixedCostTool(Environment):
-    """A tool that takes `seconds` per call and answers "ok" for `turns` turns."""
+    """A tool that takes `seconds` per call and answers "ok" for `turns` turns; each call's (start, end)
+    goes to `calls`."""
 
-    def __init__(self, turns: int, seconds: float):
-        self.turns, self.seconds, self.k = turns, seconds, 0
+    def __init__(self, turns: int, seconds: float, calls: list | None = None):
+        self.turns, self.seconds, self.k, self.calls = turns, seconds, 0, calls if calls is not None else []
 
     def reset(self, task):
         self.k = 0
@@ -49,24 +53,63 @@ class FixedCostTool(Environment):
         self.k += 1
         if self.k == self.turns:
             return StepResult(done=True, reward=0.0)
+        t = time.perf_counter()
         time.sleep(self.seconds)
+        self.calls.append((t, time.perf_counter()))
         return StepResult([{"role": "tool", "content": "ok"}], info={"tool_calls": 1})
 
 
-def run_mode(gen, prompt, n, turns, turn_tokens, tool_s, chat) -> dict:
-    multi = turns > 1
-    gen.episodes = EpisodeSetup(lambda: FixedCostTool(turns, tool_s) if multi else FixedCostTool(1, 0.0),
+class TimedClient:
+    """The server's client, keeping each /generate request's (start, end)."""
+
+    def __init__(self, client):
+        self.client, self.requests = client, []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def generate(self, body, on_tokens=None):
+        t = time.perf_counter()
+        try:
+            return self.client.generate(body, on_tokens)
+        finally:
+            self.requests.append((t, time.perf_counter()))
+
+
+def covered(spans: list[tuple[float, float]], by: list[tuple[float, float]]) -> float:
+    """Seconds of `spans` during which at least one interval of `by` runs."""
+    merged: list[list[float]] = []
+    for a, b in sorted(by):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return sum(max(0.0, min(b, y) - max(a, x)) for a, b in spans for x, y in merged)
+
+
+def run_mode(gen, prompt, n, in_flight, turns, turn_tokens, tool_s, chat) -> dict:
+    multi, calls = turns > 1, []
+    gen.episodes = EpisodeSetup(lambda: FixedCostTool(turns, tool_s, calls) if multi else FixedCostTool(1, 0.0),
                                 EpisodeLimits(turns, turn_tokens if multi else None, 64), chat if multi else None)
-    cap = turns * turn_tokens * 4  # room for the observations too
+    sampling = {"temperature": 1.0, "ignore_eos": True,
+                "max_new_tokens": turns * turn_tokens * 4 if multi else turn_tokens}  # room for observations
+    client = gen.server.client = TimedClient(gen.server.client)
     t0 = time.perf_counter()
-    gen.submit_group(GroupRequest("g", prompt, list(range(n)), sampling={
-        "temperature": 1.0, "ignore_eos": True, "max_new_tokens": cap if multi else turn_tokens}))
-    rollouts = list(gen.completions(timeout=1800))
-    wall = time.perf_counter() - t0
+    try:
+        issued, rollouts = 0, []
+        while len(rollouts) < n:
+            while issued < n and issued - len(rollouts) < in_flight:
+                gen.submit_group(GroupRequest(f"g{issued}", prompt, [0], sampling=sampling))
+                issued += 1
+            rollouts.append(next(gen.completions(1, timeout=1800)))
+        wall = time.perf_counter() - t0
+    finally:
+        gen.server.client = client.client
     sampled = sum(sum(r.loss_mask) if r.loss_mask else len(r.completion_ids) for r in rollouts)
     prompt_tokens = sum(r.episode.prompt_tokens for r in rollouts)
+    tool_total = sum(b - a for a, b in calls)
     return {"wall_s": wall, "tokens_per_s": sampled / wall, "sampled": sampled,
-            "tool_s": sum(r.episode.tool_s for r in rollouts),
+            "busy_in_tools": covered(calls, client.requests) / tool_total if tool_total else None,
             "cached_frac": sum(r.episode.cached_tokens for r in rollouts) / max(1, prompt_tokens)}
 
 
@@ -91,12 +134,15 @@ def tool_overhead(calls: int) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--in-flight", type=int, default=8)
+    p.add_argument("--lockstep", action="store_true", help="start every sample at once (the worst case)")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=48)
     p.add_argument("--tool-ms", type=float, default=100.0)
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable)")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -111,23 +157,25 @@ def main() -> int:
         chat = ChatTurns(tok, get_template("none"), stop_ids=(newline,))
         prompt = tok(tok.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False).input_ids
-        with running_generator(model, Path(tmp), group_size=args.episodes, threads=1) as gen:
-            run_mode(gen, prompt, 2, 2, 8, 0.0, chat)  # warm-up: server caches, first requests
+        in_flight = args.episodes if args.lockstep else args.in_flight
+        with running_generator(model, Path(tmp), group_size=1, threads=1, extra_args=args.server_arg) as gen:
+            run_mode(gen, prompt, 2, 2, 2, 8, 0.0, chat)  # warm-up: server caches, first requests
             multi, single = [], []
             for _ in range(args.pairs):
-                multi.append(run_mode(gen, prompt, args.episodes, args.turns, args.turn_tokens,
+                multi.append(run_mode(gen, prompt, args.episodes, in_flight, args.turns, args.turn_tokens,
                                       args.tool_ms / 1000, chat))
-                single.append(run_mode(gen, prompt, args.episodes, 1, args.turns * args.turn_tokens, 0.0, chat))
+                single.append(run_mode(gen, prompt, args.episodes, in_flight, 1, args.turns * args.turn_tokens, 0.0,
+                                       chat))
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    decode_s = args.turn_tokens / (med(single, "tokens_per_s") / args.episodes)  # one turn, at this concurrency
-    print(f"episodes {args.episodes} x {args.turns} turns x {args.turn_tokens} tokens, tool {args.tool_ms:g} ms "
-          f"per call (a turn decodes in ~{decode_s * 1000:.0f} ms at this concurrency); {args.pairs} pairs")
+    decode_s = args.turn_tokens / (med(single, "tokens_per_s") / in_flight)  # one turn, at this concurrency
+    print(f"{args.episodes} episodes, {in_flight} in flight{' (lockstep)' if args.lockstep else ''}, x {args.turns} "
+          f"turns x {args.turn_tokens} tokens, tool {args.tool_ms:g} ms per call (a turn decodes in "
+          f"~{decode_s * 1000:.0f} ms at this concurrency); {args.pairs} pairs")
     print(f"  single-turn  {med(single, 'tokens_per_s'):8.1f} sampled tokens/s  ({med(single, 'sampled'):.0f} tokens)")
     print(f"  multi-turn   {med(multi, 'tokens_per_s'):8.1f} sampled tokens/s  ({med(multi, 'sampled'):.0f} tokens)")
     print(f"  ratio multi / single: {med(multi, 'tokens_per_s') / med(single, 'tokens_per_s'):.2f} (target >= 0.8)")
-    tool_share = med(multi, "tool_s") / args.episodes / med(multi, "wall_s")
-    print(f"  tool time per episode / multi-turn wall: {tool_share:.2f}; cached share of the turns' prompt "
-          f"tokens: {med(multi, 'cached_frac'):.2f}")
+    print(f"  generator busy while tools ran: {med(multi, 'busy_in_tools'):.2f} of the tool time; cached share "
+          f"of the turns' prompt tokens: {med(multi, 'cached_frac'):.2f}")
     env_s, bare_s = tool_overhead(args.calls)
     print(f"python tool, median of {args.calls} calls: PythonTool.step {env_s * 1000:.1f} ms, bare sandbox run "
           f"{bare_s * 1000:.1f} ms, ratio {env_s / bare_s:.2f} (overhead {1000 * (env_s - bare_s):.1f} ms)")

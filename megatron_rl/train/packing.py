@@ -97,9 +97,11 @@ class PackedMicroBatch:
     # float32 [1, T]: sampling temperature of each position's sequence (None: every sequence at 1)
     temperature: torch.Tensor | None = None
     # Filled on the last pipeline stage by the logprob passes of an update (train.update), aligned with
-    # labels: the trainer's logprobs of the weights at the update start, and the reference policy's.
+    # labels: the trainer's logprobs of the weights at the update start, the reference policy's, and the
+    # distillation teacher's.
     proximal_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     # long [1, T]: weight version that sampled each label (-1: not a completion token, or unknown)
     weight_versions: torch.Tensor | None = None
     # (CP size, CP rank) once `cp_slice` kept this rank's chunks: tensors hold T / CP tokens, while

@@ -19,7 +19,7 @@ no-grad chunked pass over the logits and is skipped (the key is absent) when `tr
 Logits are divided by each sequence's sampling temperature before anything reads them: the generator's
 behaviour logprobs are of log_softmax(logits / T), so the ratio compares like with like.
 Trainer-side logprobs (`collect_logprobs`: the proximal policy of the decoupled objective, the reference
-policy of the KL) run the same packed micro-batches forward-only and are stored on them (train.update
+policy of the KL, the distillation teacher) run the same packed micro-batches forward-only and are stored on them (train.update
 orchestrates those passes per update); with `algo.kl_mode: k2` the fused loss adds the sequence-level
 k2 term with weight kl_coef * n_tokens / n_sequences of the minibatch, so that after Megatron's division
 by the token count it is kl_coef times the minibatch mean of 1/2 (log pi(y) - log ref(y))^2.
@@ -340,8 +340,9 @@ def _logprob_step(ctx: StepContext, field: str, data_iterator, model_chunk):
 @torch.no_grad()
 def collect_logprobs(model: list, prepared: PreparedMinibatch, ctx: StepContext, field: str) -> None:
     """Collective, forward-only: per-token logprobs (tempered like the loss) of `model` on the packed
-    micro-batches, stored as `mb.<field>` ("proximal_logprobs" or "ref_logprobs") on the last stage."""
-    if field not in ("proximal_logprobs", "ref_logprobs"):
+    micro-batches, stored as `mb.<field>` ("proximal_logprobs", "ref_logprobs" or "teacher_logprobs") on the
+    last stage."""
+    if field not in ("proximal_logprobs", "ref_logprobs", "teacher_logprobs"):
         raise ValueError(f"unknown logprob field {field!r}")
     _schedule(model, prepared, partial(_logprob_step, ctx, field), forward_only=True)
 

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.algo.mismatch import mixed_context
 from megatron_rl.records import TrainSequence
 
 
@@ -104,6 +105,8 @@ class PackedMicroBatch:
     teacher_logprobs: torch.Tensor | None = None
     # long [1, T]: weight version that sampled each label (-1: not a completion token, or unknown)
     weight_versions: torch.Tensor | None = None
+    # bool [1, T]: the label's turn has earlier model tokens of another version (algo.mismatch.mixed_context)
+    mixed_context: torch.Tensor | None = None
     # (CP size, CP rank) once `cp_slice` kept this rank's chunks: tensors hold T / CP tokens, while
     # cu_seqlens still describe the whole row
     cp: tuple[int, int] | None = None
@@ -225,6 +228,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     blp = torch.zeros(length, dtype=torch.float32)
     adv = torch.zeros(length, dtype=torch.float32)
     versions = torch.full((length,), -1, dtype=torch.long)
+    mixed = torch.zeros(length, dtype=torch.bool)
     segment_ids = torch.full((length,), len(indices), dtype=torch.long)
     pad_mask = torch.ones(length, dtype=torch.bool)
     temps = [float(seqs[i].temperature) for i in indices]
@@ -246,6 +250,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         if s.weight_versions:
             sampled = torch.tensor(s.weight_versions, dtype=torch.long)
             versions[start + p - 1:start + n - 1] = torch.where(own > 0, sampled, -1)
+            mixed[start + p - 1:start + n - 1] = mixed_context(sampled, own)
         padded = _round_up(n, seq_multiple)  # CP: the segment's own pad tokens follow it (no loss)
         position_ids[start:start + padded] = torch.arange(padded)
         segment_ids[start:start + padded] = j
@@ -263,7 +268,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         seq_indices=list(indices), n_real_tokens=real,
         temperature=None if temperature is None else temperature.unsqueeze(0),
-        weight_versions=versions.unsqueeze(0), pad_mask=pad_mask.unsqueeze(0))
+        weight_versions=versions.unsqueeze(0), mixed_context=mixed.unsqueeze(0), pad_mask=pad_mask.unsqueeze(0))
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,

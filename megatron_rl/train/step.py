@@ -28,7 +28,8 @@ Metrics are reduced over micro-batches and DP x CP ranks and broadcast from the 
 so every rank returns the same numbers.
 Context parallel: each CP rank keeps its chunks of the same bins (packing.py); counts and grads sum over DP x CP.
 Mismatch metrics (`algo.mismatch`): trainer logprobs of the update start's weights vs the generator's,
-by version lag, from the proximal pass when one ran, else from the loss forward's own logprobs where
+by version lag (lag 0 also split by whether the token's context came from one version), from the
+proximal pass when one ran, else from the loss forward's own logprobs where
 the weights are still `ctx.policy_version` (`ctx.weights_at_version`: an update's first minibatch).
 The importance-sampling correction (`algo.correction`) goes to the fused loss with the packed row's
 sequence boundaries (for sequence_tis).
@@ -165,12 +166,12 @@ def _mismatch_stats(mb: PackedMicroBatch, logp: torch.Tensor | None, mask: torch
     start = mb.proximal_logprobs if mb.proximal_logprobs is not None else (
         logp if ctx.weights_at_version else None)
     if start is None or mb.weight_versions is None:
-        n_bins = mismatch.LAG_BINS + 1
+        n_bins = mismatch.N_BINS
         return {"mismatch_sums": torch.zeros(n_bins * len(mismatch.SUM_FIELDS), device=mask.device),
                 "mismatch_max": torch.zeros(n_bins, device=mask.device)}
     versions = mb.weight_versions
     lag = torch.where(versions >= 0, ctx.policy_version - versions, -1)
-    sums, maxes = mismatch.mismatch_sums(start, mb.behaviour_logprobs, lag, mask)
+    sums, maxes = mismatch.mismatch_sums(start, mb.behaviour_logprobs, lag, mask, mb.mixed_context)
     return {"mismatch_sums": sums.reshape(-1), "mismatch_max": maxes}
 
 
@@ -230,7 +231,7 @@ def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) 
     from megatron.core import parallel_state as ps
 
     big = torch.finfo(torch.float32).max
-    n_bins = mismatch.LAG_BINS + 1
+    n_bins = mismatch.N_BINS
     n_mm = n_bins * len(mismatch.SUM_FIELDS)
     # the mismatch sums and maxima ride in the same tensors (and collectives) as the scalar ones;
     # |d| >= 0, so 0 is the neutral start of their maxima

@@ -182,7 +182,9 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
         assert reader.last_load.optimizer_loaded == (name == "dp2")  # dp_reshardable: only DP may change
         mine = reader.evaluate(seq_sets[model])
         mismatch = [k for k in mine if k.startswith("mismatch/")]
-        assert len(mismatch) == 2 * 6  # lags 0 and 1, reduced over DP ranks and shared from the last stage
+        # lags 0 and 1, and lag 0 again as lag0_pure (one version per sequence), reduced over DP ranks and
+        # shared from the last stage
+        assert len(mismatch) == 3 * 6
         for key in ("loss", "entropy", "ratio_mean", "logprob_mean", *mismatch):
             for r in ranks:
                 assert r["after"][key] == pytest.approx(mine[key], rel=1e-5, abs=1e-6), (name, key)

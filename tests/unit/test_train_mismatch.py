@@ -1,7 +1,8 @@
 """Mismatch metrics and corrections of the trainer's RL update on the tiny Llama, against HF.
 
 The "generator" logprobs are HF's logprobs of the same weights plus known noise, each sequence tagged
-with weight versions (several lags, one sequence mixing versions token by token, one with none). The
+with weight versions (several lags, one sequence mixing versions token by token: its lag-0 tokens are
+the `lag0_mixed` ones, one with none). The
 expected metrics are computed here from the HF logprobs with the formulas of docs/train.md written out
 (d = trainer - generator; mean/max |d|, mean of exp(d) - 1 - d, share of exp(d) outside [0.5, 2]).
 """
@@ -41,9 +42,12 @@ def expected(trainer_lp, seqs):
     """Per-bin metrics from explicit per-token lists."""
     bins: dict[str, list[float]] = {}
     for lp, s in zip(trainer_lp, seqs):
-        for d, v in zip((lp - torch.tensor(s.behaviour_logprobs)).tolist(), s.weight_versions):
+        for t, (d, v) in enumerate(zip((lp - torch.tensor(s.behaviour_logprobs)).tolist(), s.weight_versions)):
             lag = VERSION - v
             bins.setdefault(f"lag{lag}" if lag < 3 else "lag3+", []).append(d)
+            if lag == 0:  # one turn: mixed when an earlier token came from other weights
+                mixed = any(e != v for e in s.weight_versions[:t])
+                bins.setdefault("lag0_mixed" if mixed else "lag0_pure", []).append(d)
     out = {}
     for name, ds in bins.items():
         k = f"mismatch/{name}/"

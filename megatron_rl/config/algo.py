@@ -45,6 +45,14 @@ class AlgoConfig:
     # Entropy bonus: entropy_coef x the token-mean policy entropy is subtracted from the loss (maximised).
     # 0 = off (Magistral found it unstable and uses clip-higher instead; docs/experiments.md).
     entropy_coef: float = 0.0
+    # On-policy distillation (docs/algo.md "Distillation"): a frozen teacher on the trainer ranks, an HF
+    # model named like trainer.model with the student's tokenizer; null = none. Each sampled token's
+    # advantage gains distill_coef * (log teacher - log student at the update start).
+    teacher: str | None = None
+    distill_coef: float = 0.0  # weight of the teacher term; 0 with a teacher only measures distill/teacher_kl
+    # Train on the teacher term alone: the verifier reward's advantage is dropped (rewards are still graded and
+    # logged). Needs drop_non_diverse_groups: false, since equal-reward groups carry a teacher signal too.
+    distill_only: bool = False
 
     def validate(self, key: str) -> None:
         check(0.0 <= self.eps_low < 1.0, f"{key}.eps_low", "must lie in [0, 1)")
@@ -63,3 +71,20 @@ class AlgoConfig:
                "algo.proximal: trainer")
         check(self.pass_at_k is None or self.pass_at_k >= 1, f"{key}.pass_at_k", "must be >= 1 or null")
         check(self.entropy_coef >= 0.0, f"{key}.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
+        self._validate_distillation(key)
+
+    def _validate_distillation(self, key: str) -> None:
+        check(self.teacher is None or bool(str(self.teacher).strip()), f"{key}.teacher",
+              "must name a model (an HF directory, a cached hub id or smollm2-135m) or be null")
+        check(self.distill_coef >= 0.0, f"{key}.distill_coef", "must be >= 0 (0 = measure the teacher KL only)")
+        check(self.teacher is not None or self.distill_coef == 0, f"{key}.distill_coef",
+              "has no effect without algo.teacher (the model to distil from)")
+        if not self.distill_only:
+            return
+        check(self.distill_coef > 0, f"{key}.distill_only",
+              "drops the verifier reward's advantage: it needs algo.teacher and algo.distill_coef > 0")
+        check(not self.drop_non_diverse_groups, f"{key}.distill_only",
+              "trains on the teacher term alone, which equal-reward groups carry too: set "
+              "algo.drop_non_diverse_groups: false")
+        check(self.kl_mode != "reward", f"{key}.distill_only",
+              "drops the reward-side advantage that kl_mode: reward adjusts: use kl_mode: k2 or none")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from megatron_rl.algo.distill import PREFIX as DISTILL_PREFIX
 from megatron_rl.algo.mismatch import PREFIX as MISMATCH_PREFIX
 from megatron_rl.config import LengthStage, RunConfig
 from megatron_rl.records import Batch, Rollout
@@ -131,14 +132,17 @@ def stage_metrics(stage: LengthStage) -> dict[str, int]:
             "stage/l_cache": stage.l_cache}
 
 
+# trainer values a line carries under their own names: the mismatch (algo.mismatch), the teacher (algo.distill)
+OWN_NAME_PREFIXES = (MISMATCH_PREFIX, DISTILL_PREFIX)
 TRAIN_KEYS = ("loss", "loss_tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
               "grad_norm", "tokens_per_s", "padding_frac", "is_weight_mean", "is_masked_frac")
 
 
 def train_values(train_metrics: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's values a metrics line keeps: TRAIN_KEYS, and the trainer/generator mismatch
-    (`mismatch/lag<k>/...`, algo.mismatch) which the line carries under its own name."""
-    return {k: v for k, v in train_metrics.items() if k in TRAIN_KEYS or k.startswith(MISMATCH_PREFIX)}
+    """The trainer's values a metrics line keeps: TRAIN_KEYS, the trainer/generator mismatch
+    (`mismatch/lag<k>/...`, algo.mismatch) and the distillation teacher's (`distill/...`), which the line
+    carries under their own names."""
+    return {k: v for k, v in train_metrics.items() if k in TRAIN_KEYS or k.startswith(OWN_NAME_PREFIXES)}
 
 
 @dataclass
@@ -165,7 +169,7 @@ class UpdateWindow:
         row["grading/regraded"] = self.regraded
         row.update(episode_stats(self.graded))
         row["episode/env_failed"] = self.env_failed
-        row.update({k if k.startswith(MISMATCH_PREFIX) else f"train/{k}": v
+        row.update({k if k.startswith(OWN_NAME_PREFIXES) else f"train/{k}": v
                     for k, v in train_values(train_metrics).items()})
         gen_total = self.gen_idle_s + self.gen_busy_s
         row["generator_idle_frac"] = self.gen_idle_s / gen_total if gen_total else None

@@ -57,17 +57,22 @@ def check_config(cfg: Config) -> None:
 
 
 def check_model(cfg: Config) -> None:
-    """ModelUnavailable (one line) when trainer.model cannot be found here (no downloads) or is of a
-    family the trainer does not build (the supported ones are listed); ConfigError when
-    trainer.precision has no attention under the layer spec this machine gives the trainers."""
+    """ModelUnavailable (one line) when trainer.model or algo.teacher cannot be found here (no downloads)
+    or is of a family the trainer does not build (the supported ones are listed); ConfigError when
+    trainer.precision has no attention under the layer spec this machine gives the trainers, or when the
+    teacher's tokenizer is not the student's."""
     from megatron_rl.train.hf_cache import check_family
     from megatron_rl.train.hf_source import resolve_model
     from megatron_rl.train.model import check_precision
+    from megatron_rl.train.teacher import check_same_vocab
 
     check_precision(cfg.trainer.precision)
-    source = resolve_model(cfg.trainer.model)
-    if not source.gguf_file:  # the shipped GGUF model is a Llama
-        check_family(source.path)
+    sources = [resolve_model(name) for name in (cfg.trainer.model, cfg.algo.teacher) if name is not None]
+    for source in sources:
+        if not source.gguf_file:  # the shipped GGUF model is a Llama
+            check_family(source.path)
+    if cfg.algo.teacher is not None:
+        check_same_vocab(sources[0].tokenizer(), sources[1].tokenizer(), cfg.algo.teacher)
 
 
 def check_code_sandbox(cfg: Config) -> None:

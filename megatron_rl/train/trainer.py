@@ -8,8 +8,9 @@
 Every trainer rank must call these collectively with the same arguments (the same whole Batch: the
 step splits it over DP ranks itself). `version` counts updates (`train_on` calls): it is the policy
 version the generators receive with the weights; `step` counts optimizer steps.
-With `algo.kl_mode` set, the trainer also holds the frozen reference policy (`train.reference`); an RL
-update runs the logprob passes it needs before its optimizer steps (`train.update`).
+With `algo.kl_mode` set, the trainer also holds the frozen reference policy (`train.reference`), with
+`algo.teacher` the frozen distillation teacher (`train.teacher`); an RL update runs the logprob passes
+they need before its optimizer steps (`train.update`).
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from megatron_rl.algo import mismatch
 from megatron_rl.config import Config
 from megatron_rl.records import Batch, TrainSequence
 from megatron_rl.train import checkpoint as ckpt
+from megatron_rl.train.device import model_device
 from megatron_rl.train.optimizer import build_optimizer, precision_dtype, set_lr, wrap_model
 from megatron_rl.train.parallel import ParallelLayout, init_parallel
 from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.step import StepContext, run_minibatch
-from megatron_rl.train.update import prepare_update, split_minibatches
+from megatron_rl.train.teacher import Teacher
+from megatron_rl.train.update import distill_metrics, prepare_update, split_minibatches
 
 log = logging.getLogger(__name__)
 _STATE_KEY = "_trainer"  # reserved key in the checkpoint's extra state
@@ -69,6 +72,8 @@ class Trainer:
         self.dims = chunks[0].mrl_dims
         self.reference = (ReferencePolicy(chunks, hf_config, self.layout, precision_dtype(t))
                           if config.algo.kl_mode != "none" else None)
+        self.teacher = (Teacher(config.algo.teacher, source or resolve_model(t.model), self.layout,
+                                precision_dtype(t)) if config.algo.teacher is not None else None)
         self.model = wrap_model(chunks, t)
         self.optimizer = build_optimizer(self.model, t)
         # checkpoints kept by save() (0: all); the run's run.keep_checkpoints unless the caller says
@@ -86,10 +91,12 @@ class Trainer:
 
     # ------------------------------------------------------------ training
     def _run(self, seqs: Sequence[TrainSequence], n_mini: int, objective: str) -> dict[str, Any]:
-        steps = []
+        steps, distilled = [], {}
         minibatches = split_minibatches(seqs, n_mini)
-        if objective == "rl":  # trainer-side logprobs of the update start, KL in the reward
-            minibatches = prepare_update(self.model, self.reference, minibatches, self.ctx)
+        if objective == "rl":  # trainer-side logprobs of the update start, KL in the reward, the teacher's
+            minibatches = prepare_update(self.model, self.reference, minibatches, self.ctx, self.teacher)
+            if self.teacher is not None:  # of the update start's weights, before the steps move them
+                distilled = distill_metrics(minibatches, self.ctx, model_device(self.model))
         for i, mb in enumerate(minibatches):
             set_lr(self.optimizer, self.config.trainer.lr)
             # before the first step the weights are those of self.version (mismatch metrics, step.py)
@@ -105,6 +112,7 @@ class Trainer:
         keys = [k for k in steps[0] if k != "step" and not k.startswith(mismatch.PREFIX)]
         summary: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps) for k in keys}
         summary.update(mismatch.merge(steps))
+        summary.update(distilled)
         summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
         summary["loss_tokens"] = sum(s["n_loss_tokens"] for s in steps)  # the update's, over its minibatches
         summary.update(version=self.version, step=self.step, steps=steps)
@@ -127,7 +135,7 @@ class Trainer:
     def evaluate(self, seqs: Sequence[TrainSequence], objective: str = "rl") -> dict[str, float]:
         """Loss/metrics of `seqs` under the current weights (no update)."""
         if objective == "rl":
-            (seqs,) = prepare_update(self.model, self.reference, [list(seqs)], self.ctx)
+            (seqs,) = prepare_update(self.model, self.reference, [list(seqs)], self.ctx, self.teacher)
         ctx = dataclasses.replace(self.ctx, policy_version=self.version, weights_at_version=True)
         return run_minibatch(self.model, self.optimizer, seqs, ctx, objective=objective, forward_only=True)
 

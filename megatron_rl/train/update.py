@@ -4,7 +4,9 @@
     proximal logprobs: the policy at the START of the update, forward-only   # algo.proximal: trainer,
                                                                              # or kl_mode: reward
     reference logprobs: the frozen reference policy, forward-only            # kl_mode != none
+    teacher logprobs: the frozen distillation teacher, forward-only          # algo.teacher
     KL in the reward: A_i -= kl_coef * (k1_i - baseline_i), then the minibatch normalisation again
+    distillation: A_t += distill_coef * (teacher_t - proximal_t)             # algo.distill
     run_minibatch(prepared[m]) for each minibatch
 
 All passes run before the first step, so every minibatch of the update is anchored on the same
@@ -17,6 +19,10 @@ centred with a leave-one-out baseline over the other samples of the same group p
 (independent of y_i, so the gradient stays unbiased; 0 when a sample's group-mates are not in the
 batch). The adjusted advantage then goes through the configured minibatch normalisation like the
 reward-based one.
+
+Distillation (`algo.teacher`): the teacher's logprobs of the sampled tokens and the proximal ones give each
+token distill_coef * (teacher - proximal) on top of its sequence's advantage (algo.distill), after the
+normalisation; `distill_metrics` reports the teacher KL of the update.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.algo import distill
 from megatron_rl.config import AlgoConfig
 from megatron_rl.records import TrainSequence
 from megatron_rl.train.device import model_device
@@ -34,7 +41,8 @@ from megatron_rl.train.step import (PreparedMinibatch, StepContext, collect_logp
 
 
 def needs_proximal(algo: AlgoConfig) -> bool:
-    return algo.proximal == "trainer" or algo.kl_mode == "reward"
+    # distillation: the student's logprobs of its teacher term are the proximal ones (algo.distill)
+    return algo.proximal == "trainer" or algo.kl_mode == "reward" or algo.teacher is not None
 
 
 def split_minibatches(seqs: Sequence[TrainSequence], n_mini: int) -> list[list[TrainSequence]]:
@@ -43,8 +51,9 @@ def split_minibatches(seqs: Sequence[TrainSequence], n_mini: int) -> list[list[T
 
 
 def prepare_update(model: list, reference, minibatches: list[list[TrainSequence]],
-                   ctx: StepContext) -> list[PreparedMinibatch]:
-    """Collective: pack every minibatch of the update and run the logprob passes the config needs."""
+                   ctx: StepContext, teacher=None) -> list[PreparedMinibatch]:
+    """Collective: pack every minibatch of the update and run the logprob passes the config needs
+    (`teacher`: the trainer's `train.teacher.Teacher` when algo.teacher is set)."""
     algo = ctx.algo
     prepared = [prepare_minibatch(model, mb, ctx) for mb in minibatches]
     if needs_proximal(algo):
@@ -55,8 +64,15 @@ def prepare_update(model: list, reference, minibatches: list[list[TrainSequence]
             raise RuntimeError(f"algo.kl_mode={algo.kl_mode!r} needs the trainer's reference policy")
         for p in prepared:
             collect_logprobs(reference.chunks, p, ctx, "ref_logprobs")
+    if algo.teacher is not None:
+        if teacher is None:
+            raise RuntimeError("algo.teacher is set but the trainer holds no teacher model")
+        for p in prepared:
+            collect_logprobs(teacher.chunks, p, teacher.context(ctx), "teacher_logprobs")
     if algo.kl_mode == "reward":
         _apply_kl_reward(prepared, ctx, model_device(model))
+    if algo.teacher is not None:  # last: per-token terms on top of the (normalised) sequence advantages
+        _apply_distillation(prepared, algo)
     # proximal logprobs computed for the KL only stay on the micro-batches: the mismatch metrics read
     # them; the loss anchors its ratio on them only with algo.proximal: trainer (train.step)
     return prepared
@@ -118,3 +134,22 @@ def _apply_kl_reward(prepared: list[PreparedMinibatch], ctx: StepContext, device
         local = [values[i] for i in p.share]
         for mb in p.packed.micro_batches:
             mb.set_advantages(local)
+
+
+def _apply_distillation(prepared: list[PreparedMinibatch], algo: AlgoConfig) -> None:
+    for p in prepared:
+        for mb in p.packed.micro_batches:
+            if mb.teacher_logprobs is not None:  # the last pipeline stage: the only one with a loss
+                mb.advantages = distill.distill_advantages(mb.advantages, mb.teacher_logprobs, mb.proximal_logprobs,
+                                                           mb.loss_mask > 0, algo.distill_coef, algo.distill_only)
+
+
+def distill_metrics(prepared: list[PreparedMinibatch], ctx: StepContext, device: torch.device) -> dict[str, float]:
+    """Collective: `distill/...` of the update's sampled tokens (algo.distill.metrics), the same on every rank."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for p in prepared:
+        for mb in p.packed.micro_batches:
+            if mb.teacher_logprobs is not None:
+                sums += distill.metric_sums(mb.teacher_logprobs, mb.proximal_logprobs, mb.loss_mask > 0,
+                                            ctx.algo.distill_coef)
+    return distill.metrics(_share_with_all_ranks(sums).cpu())

@@ -36,6 +36,7 @@ from megatron_rl.data.turns import ChatTurns  # noqa: E402
 from megatron_rl.env import Environment, PythonTool, StepResult  # noqa: E402
 from megatron_rl.records import GroupRequest  # noqa: E402
 from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup  # noqa: E402
+from support.runs import RecordedClient  # noqa: E402
 
 
 class FixedCostTool(Environment):
@@ -59,23 +60,6 @@ class FixedCostTool(Environment):
         return StepResult([{"role": "tool", "content": "ok"}], info={"tool_calls": 1})
 
 
-class TimedClient:
-    """The server's client, keeping each /generate request's (start, end)."""
-
-    def __init__(self, client):
-        self.client, self.requests = client, []
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
-
-    def generate(self, body, on_tokens=None):
-        t = time.perf_counter()
-        try:
-            return self.client.generate(body, on_tokens)
-        finally:
-            self.requests.append((t, time.perf_counter()))
-
-
 def covered(spans: list[tuple[float, float]], by: list[tuple[float, float]]) -> float:
     """Seconds of `spans` during which at least one interval of `by` runs."""
     merged: list[list[float]] = []
@@ -93,7 +77,7 @@ def run_mode(gen, prompt, n, in_flight, turns, turn_tokens, tool_s, chat) -> dic
                                 EpisodeLimits(turns, turn_tokens if multi else None, 64), chat if multi else None)
     sampling = {"temperature": 1.0, "ignore_eos": True,
                 "max_new_tokens": turns * turn_tokens * 4 if multi else turn_tokens}  # room for observations
-    client = gen.server.client = TimedClient(gen.server.client)
+    client = gen.server.client = RecordedClient(gen.server.client)
     t0 = time.perf_counter()
     try:
         issued, rollouts = 0, []
@@ -109,7 +93,7 @@ def run_mode(gen, prompt, n, in_flight, turns, turn_tokens, tool_s, chat) -> dic
     prompt_tokens = sum(r.episode.prompt_tokens for r in rollouts)
     tool_total = sum(b - a for a, b in calls)
     return {"wall_s": wall, "tokens_per_s": sampled / wall, "sampled": sampled,
-            "busy_in_tools": covered(calls, client.requests) / tool_total if tool_total else None,
+            "busy_in_tools": covered(calls, client.spans) / tool_total if tool_total else None,
             "cached_frac": sum(r.episode.cached_tokens for r in rollouts) / max(1, prompt_tokens)}
 
 

@@ -22,6 +22,7 @@ from megatron_rl.records import ENV_LOGPROB, ENV_VERSION, GroupRequest
 from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup
 from megatron_rl.sync.sender import WeightSender
 from megatron_rl.sync.update import push_in_process, target_of
+from support.runs import RecordedClient
 from test_generator import gen, hf, named, perturbed  # noqa: F401 (gen, hf: the module's server and HF model)
 
 pytestmark = pytest.mark.timeout(900)
@@ -42,26 +43,11 @@ def newline(tok):
     return ids[0]
 
 
-class Recorded:
-    """The server's real client, with every /generate body and answer kept."""
-
-    def __init__(self, client):
-        self.client, self.calls = client, []
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
-
-    def generate(self, body, on_tokens=None):
-        out = self.client.generate(body, on_tokens)
-        self.calls.append((body, out))
-        return out
-
-
 def play(gen, tok, newline, make_env, turns=5, turn_tokens=10, cap=200, resume=None):
     chat = ChatTurns(tok, get_template("none"), stop_ids=(newline,))
     gen.episodes = EpisodeSetup(make_env, EpisodeLimits(turns, turn_tokens, 64), chat)
     prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    recorded = gen.server.client = Recorded(gen.server.client)
+    recorded = gen.server.client = RecordedClient(gen.server.client)
     try:
         gen.submit_group(GroupRequest("g", tok(prompt, add_special_tokens=False).input_ids, [0],
                                       sampling={"temperature": 1.0, "max_new_tokens": cap,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -31,6 +32,26 @@ def running_generator(model_dir: Path, log_dir: Path, group_size: int = 2, max_t
     finally:
         gen.close()
     assert not gen.server.alive()
+
+
+class RecordedClient:
+    """A server's real client, keeping every /generate body and answer (`calls`) and when each request
+    ran (`spans`: start, end)."""
+
+    def __init__(self, client):
+        self.client, self.calls, self.spans = client, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def generate(self, body, on_tokens=None):
+        t = time.perf_counter()
+        try:
+            out = self.client.generate(body, on_tokens)
+        finally:
+            self.spans.append((t, time.perf_counter()))
+        self.calls.append((body, out))
+        return out
 
 
 def launch_train(config: Path, *extra: str) -> subprocess.Popen:

@@ -27,6 +27,9 @@ class RunConfig:
     # Evaluation on data.eval_path after every eval_every updates (0 = none), on the generators between
     # updates; its eval/... results go on the metrics line of the evaluated update (docs/control.md).
     eval_every: int = 0
+    # With eval_every > 0: a round on the initial weights before the first update too (its line is
+    # update 0), the baseline of every later round; a resumed run never evaluates update 0 again.
+    eval_at_start: bool = True
     eval_samples: int = 4  # samples per evaluation problem: pass@1 is their mean, pass@k has k = eval_samples
     eval_temperature: float | None = None  # sampling temperature of the evaluation (null: rollout.temperature)
     eval_max_problems: int | None = None  # evaluate the first this many problems of data.eval_path (null: all)

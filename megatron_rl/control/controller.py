@@ -57,6 +57,7 @@ class Controller:
     def run(self) -> dict[str, Any]:
         total = self.cfg.run.updates
         progress = Progress(total, self.updates_done)
+        self._evaluate_initial_weights()
         try:
             while True:
                 if not self.training and self.sync.idle:
@@ -125,6 +126,11 @@ class Controller:
         if self.flow.evaluation.waiting_to_start and not self.sync.push_needed:
             self.flow.start_eval(self.version)  # every generator serves the evaluated weights
 
+    def _evaluate_initial_weights(self) -> None:
+        """A fresh run's held-out round before the first update (run.eval_at_start): the line of update 0."""
+        if self.flow.evaluation.hold_initial(self.version) and not self.sync.push_needed:
+            self.flow.start_eval(self.version)  # else it starts once the push is done (_after_update)
+
     def _hold_for_eval(self, row: dict[str, Any]) -> bool:
         """True when an eval round evaluates this update: its line waits for the results (evaluation.py)."""
         if not self.log.train or not self.flow.evaluation.due(self.updates_done):
@@ -139,7 +145,8 @@ class Controller:
 
     def _checkpoint_if_due(self) -> None:
         every = self.cfg.run.checkpoint_every
-        if every and self.updates_done % every == 0 and self.updates_done < self.cfg.run.updates:
+        # none after the round at update 0: the initial weights are on disk already
+        if every and 0 < self.updates_done < self.cfg.run.updates and self.updates_done % every == 0:
             self.checkpoint()
 
     def checkpoint(self) -> Path:

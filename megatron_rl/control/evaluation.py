@@ -1,14 +1,16 @@
 """Evaluation during training: pass@1 and pass@k on a held-out set, on the generators, between updates.
 
 After every `run.eval_every` updates the controller holds that update's metrics line and starts a
-round: `run.eval_samples` (k) samples of each evaluation problem (`data.eval_path`, the first
+round (and, with `run.eval_at_start`, once before the first update on the initial weights: a line of
+its own, update 0, the baseline every later round is compared with): `run.eval_samples` (k) samples of each evaluation problem (`data.eval_path`, the first
 `run.eval_max_problems`) at `run.eval_temperature`, as ordinary generate requests beside the training
 samples in flight (those keep going: nothing is lost). The trainer takes no new batch until the round
 is graded, so every sample of a round comes from the weights of the update it evaluates (a generator
 restarted meanwhile gets those weights pushed again; `eval/off_version` counts samples with a token
 from other weights). The results go on the held line (`eval/pass@1`, `eval/pass@k`,
-`eval/<kind>/...`, `eval/<language>/...`, `eval/ungradable`), which is then written, followed by the
-checkpoint if one is due at that update.
+`eval/<kind>/...`, `eval/<language>/...`, `eval/ungradable`, and per problem in file order
+`eval/correct_by_problem` / `eval/graded_by_problem`: two rounds pair by problem,
+`evaluation.paired`), which is then written, followed by the checkpoint if one is due at that update.
 
 Evaluation samples never reach the rollout budget: their group ids live in their own namespace
 ("eval@<update>/<index>", never containing the '#' of a training group id) and the rollout flow routes
@@ -19,7 +21,8 @@ Grading goes through the same graders; a sample nobody could grade is counted in
 
 Checkpoints: a round not finished at a checkpoint (a stop during the round) is saved as "pending" with
 its held line, its samples dropped; the resumed run re-runs it from the start under the same weights
-and then writes the line. So a round is neither lost nor doubled.
+and then writes the line. So a round is neither lost nor doubled; the round at update 0 included (a
+resumed run starts no new one: it was done, or is pending in the checkpoint).
 """
 from __future__ import annotations
 
@@ -62,10 +65,19 @@ class Evaluation:
             raise ValueError("run.eval_every > 0 but the evaluation set (data.eval_path) has no problems")
         self.languages = [problem_language(p) for p in self.problems]  # detected once
         self.round: EvalRound | None = None
+        self.at_start = bool(self.every) and run.eval_at_start  # cleared by a resume (load_state_dict)
 
     # ------------------------------------------------------------ when
     def due(self, update: int) -> bool:
         return bool(self.every) and update > 0 and update % self.every == 0
+
+    def hold_initial(self, version: int) -> bool:
+        """A fresh run's round on the initial weights (run.eval_at_start), once: True when held now."""
+        if not self.at_start:
+            return False
+        self.at_start = False
+        self.hold(0, {"update": 0, "version": version, "time": time.time()})
+        return True
 
     @property
     def active(self) -> bool:
@@ -130,7 +142,9 @@ class Evaluation:
         rows = [problem_result(p, list(r.verdicts[r.group_id(i)]), self.languages[i])  # type: ignore[arg-type]
                 for i, p in enumerate(self.problems)]
         return r.row | eval_metrics(rows, self.k) | {"eval/version": r.version, "eval/off_version": r.off_version,
-                                                     "eval/wall_s": time.time() - r.started}
+                                                     "eval/wall_s": time.time() - r.started,
+                                                     "eval/correct_by_problem": [x.correct for x in rows],
+                                                     "eval/graded_by_problem": [x.n for x in rows]}
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any] | None:
@@ -140,6 +154,7 @@ class Evaluation:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.round = None if not state else EvalRound(int(state["update"]), dict(state["row"]))
+        self.at_start = False  # a resumed run: its update-0 round was written, or is the pending one
 
 
 def eval_metrics(rows: list[ProblemResult], k: int) -> dict[str, Any]:

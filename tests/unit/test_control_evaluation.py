@@ -3,7 +3,8 @@ path (MPI and the verifier rank are stand-ins: grades are answered from a script
 update's line waits for the round, eval samples never reach the rollout budget nor the window's
 rewards, every training sample in flight meanwhile is graded into the budget, the line carries
 pass@1 / pass@k per kind and language equal to an enumeration over subsets, ungradable samples are
-counted apart, and a round unfinished at a checkpoint is re-run after resume and written once."""
+counted apart, and a round unfinished at a checkpoint is re-run after resume and written once; a fresh
+run's round on the initial weights is the line of update 0, never repeated by a resume."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,13 +37,13 @@ BREAKDOWN = {"C": RewardBreakdown(status="ok", total=1.0, correct=True, format_o
              "X": RewardBreakdown(status="crash", total=0.0, correct=False, format_ok=False, error="worker died")}
 
 
-def _controller(tmp_path) -> tuple[Controller, PickleComm]:
+def _controller(tmp_path, **run) -> tuple[Controller, PickleComm]:
     cfg = config_from_dict({
         "rollout": {"group_size": G, "n_async": N_ASYNC, "n_batch": N_ASYNC, "n_mini": 1, "max_new_tokens": 16},
         "reward": {"verifier_ranks": 1, "regrade_attempts": 1},
         "data": {"source": "jsonl", "path": "unused.jsonl", "eval_path": "unused-eval.jsonl", "system_prompt": "short"},
         "run": {"output_dir": str(tmp_path), "updates": 4, "eval_every": 1, "eval_samples": K,
-                "eval_temperature": 0.6, "eval_max_problems": 3, "checkpoint_every": 0},
+                "eval_temperature": 0.6, "eval_max_problems": 3, "checkpoint_every": 0} | run,
     })
     comm = PickleComm()
     return Controller(comm, cfg, RankLayout(1, 2, 1), tmp_path, TRAIN, CharTokenizer(), EVAL), comm
@@ -175,6 +176,70 @@ def test_a_round_unfinished_at_a_checkpoint_is_re_run_after_resume_and_written_o
     rows = read_jsonl(tmp_path / METRICS_FILE)
     assert [r["update"] for r in rows] == [1] and rows[0]["train/loss"] == 0.25
     assert rows[0]["eval/pass@1"] == pytest.approx(_reference([0, 1, 2])["pass@1"])
+    resumed.shutdown()
+
+
+def _eval_round(ctrl: Controller, comm: PickleComm, update: int) -> None:
+    """Generate and grade the running round, then write its line."""
+    _generate(ctrl, comm, version=update)
+    _grade_all(ctrl, comm)
+    ctrl._finish_eval(Progress(4, update))
+
+
+def test_a_fresh_run_evaluates_the_initial_weights_as_update_0_before_any_training(tmp_path):
+    ctrl, comm = _controller(tmp_path, checkpoint_every=1)
+    saved = []
+    ctrl.checkpoint = lambda: saved.append(ctrl.updates_done)  # the trainers are stand-ins here
+    ctrl.flow.fill()
+    ctrl._evaluate_initial_weights()
+    assert ctrl.flow.evaluation.active  # the loop sends no batch while the round runs
+    eval_keys = sorted(k for m in _generate_requests(comm) for g in m.groups if is_eval_group(g.group_id)
+                       for k in g.keys)
+    assert eval_keys == [(f"eval@0/{i}", j) for i in range(3) for j in range(K)]
+    _eval_round(ctrl, comm, 0)
+    (row,) = read_jsonl(tmp_path / METRICS_FILE)
+    assert (row["update"], row["version"], row["eval/version"]) == (0, 0, 0) and "train/loss" not in row
+    assert row["eval/pass@1"] == pytest.approx(_reference([0, 1, 2])["pass@1"])
+    assert row["eval/correct_by_problem"] == [s.count("C") for s in SCRIPT.values()]
+    assert row["eval/graded_by_problem"] == [K - s.count("X") for s in SCRIPT.values()]
+    assert not saved  # no checkpoint of the initial weights
+    ctrl._evaluate_initial_weights()
+    assert not ctrl.flow.evaluation.active  # once only
+    _finish_update(ctrl, 1)
+    _eval_round(ctrl, comm, 1)
+    assert [r["update"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0, 1] and saved == [1]
+    ctrl.shutdown()
+
+
+def test_no_round_at_update_0_when_switched_off(tmp_path):
+    ctrl, comm = _controller(tmp_path, eval_at_start=False)
+    ctrl._evaluate_initial_weights()
+    assert not ctrl.flow.evaluation.active and not comm.take(Tag.GENERATE)
+    ctrl.shutdown()
+
+
+@pytest.mark.parametrize("stop", ["during_the_round", "after_its_line"])
+def test_a_resumed_run_never_evaluates_update_0_twice(tmp_path, stop):
+    ctrl, comm = _controller(tmp_path)
+    ctrl._evaluate_initial_weights()
+    if stop == "after_its_line":
+        _eval_round(ctrl, comm, 0)
+    state = json.loads(json.dumps(ctrl.state_dict()))  # the checkpoint of the stop, at update 0
+    ctrl.shutdown()
+
+    resumed, comm2 = _controller(tmp_path)
+    resumed.log.cut_back(state["log"])
+    resumed.flow.load_state_dict(state)
+    resumed.sync.push_needed = True  # generators serve disk weights until the resume push
+    resumed._evaluate_initial_weights()  # run() does this first: nothing new on a resume
+    assert not comm2.take(Tag.GENERATE)
+    resumed.sync.push_needed = False
+    resumed._after_update(Progress(4, 0))  # the push is done: a pending round starts again
+    if stop == "during_the_round":
+        _eval_round(resumed, comm2, 0)
+    else:
+        assert not resumed.flow.evaluation.active
+    assert [r["update"] for r in read_jsonl(tmp_path / METRICS_FILE)] == [0]
     resumed.shutdown()
 
 

@@ -1,5 +1,6 @@
 """The CPU demo's closing summary (examples/cpu_demo_summary.py, run as cpu_demo.sh runs it): a last
-update that graded nothing (`run.updates=4`) printed `last 1 updates nan`."""
+update that graded nothing (`run.updates=4`) printed `last 1 updates nan`; the held-out difference from
+update 0 to the last round, with its paired interval."""
 from __future__ import annotations
 
 import json
@@ -45,3 +46,17 @@ def test_quarters_are_weighted_by_rollouts_and_a_run_that_graded_nothing_says_so
                                           (5, 8, 0.5), (6, 8, 0.5), (7, 4, 0.0), (8, 4, 1.0)]]
     assert "reward/mean        first 2 updates 0.750 -> last 2 updates 0.500" in _summary(tmp_path, rows)
     assert "no rollout graded in 2 metrics lines" in _summary(tmp_path, [_row(1, 0, 0), _row(2, 0, 0)])
+
+
+def test_held_out_difference_from_update_0_with_its_paired_interval(tmp_path):
+    def round_row(update, correct):
+        return {"update": update, "eval/pass@1": sum(correct) / 16, "eval/pass@4": 0.5, "eval/problems": 4,
+                "eval/ungradable": 0, "eval/correct_by_problem": correct, "eval/graded_by_problem": [4] * 4}
+
+    rows = [round_row(0, [4, 2, 0, 1]), _row(1, 8, 0.2), round_row(10, [0, 0, 0, 0]), _row(2, 8, 0.4),
+            round_row(20, [4, 4, 2, 1])]
+    out = _summary(tmp_path, rows)
+    assert "held-out after update   0: pass@1 0.438" in out
+    # the worked example of tests/unit/test_evaluation_paired.py: +0.25 +- 0.283
+    assert ("held-out pass@1 update 0 0.438 -> update 20 0.688: difference +0.250, 95% interval "
+            "[-0.033, +0.533] (paired by problem, normal approximation, 4 problems)") in out

@@ -234,5 +234,5 @@ def test_concurrent_runs_are_capped_by_the_shared_slots(limit):
     waits = sorted(r.info["tool_wait_s"] for r in results)
     if limit == 1:
         assert waits[1] > 0.7 and took > 1.6  # the second run waited for the first
-    else:
-        assert waits[1] < 0.5 and took < 1.6
+    else:  # both ran at once (peak 2) and neither waited for a slot; no bound on `took`: a loaded machine
+        assert waits[1] < 0.5

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algo.correction import ISCorrection, is_correction
+from megatron_rl.algo.correction import ISCorrection, anchored_factor, is_correction
 from megatron_rl.algo.loss import clipped_token_loss, clipped_token_loss_with_stats
 from megatron_rl.config import ConfigError, config_from_dict
 from megatron_rl.ops import fused_clipped_loss
@@ -161,3 +161,28 @@ def test_bad_settings_are_refused():
         clipped_token_loss(logits[..., 0], behaviour, adv, mask, correction=ISCorrection("sequence_tis"))
     with pytest.raises(ValueError, match="not both"):
         clipped_token_loss(logits[..., 0], behaviour, adv, mask, tis_cap=2.0, correction=ISCorrection())
+
+
+def test_sequence_tis_of_a_packed_episode_averages_its_model_tokens_only():
+    """An episode's environment tokens (loss_mask 0) are context: they weigh in neither its sequence
+    ratio nor the loss, after packing beside a single-turn sequence."""
+    from megatron_rl.records import ENV_LOGPROB, TrainSequence
+    from megatron_rl.train.packing import pack_sequences
+
+    g = torch.Generator().manual_seed(3)
+    episode_mask = [1, 1, 1, 0, 0, 0, 1, 1, 0, 1]
+    beh = [ENV_LOGPROB if not m else -float(x) for m, x in zip(episode_mask, torch.rand(10, generator=g))]
+    episode = TrainSequence(list(range(1, 15)), 4, beh, 1.0, loss_mask=episode_mask)
+    plain = TrainSequence(list(range(20, 27)), 3, [-0.5, -0.7, -0.2, -0.9], -1.0)
+    (mb,) = pack_sequences([episode, plain], capacity=64).micro_batches
+    proximal = mb.behaviour_logprobs + 0.3 * torch.randn(mb.behaviour_logprobs.shape, generator=g)
+    mask = mb.loss_mask > 0
+    factor = anchored_factor(proximal - mb.behaviour_logprobs, mask, ISCorrection("sequence_tis", cap=100.0),
+                             mb.segment_ids.unsqueeze(0))
+    for seg, n in ((0, sum(episode_mask)), (1, 4)):
+        where = mask[0] & (mb.segment_ids == seg)
+        assert int(where.sum()) == n  # the episode's model tokens, not its 4 environment tokens
+        log_rho = (proximal - mb.behaviour_logprobs)[0][where].double()
+        expected = torch.exp(log_rho.mean()).item()  # geometric mean of the ratios over those tokens
+        assert torch.allclose(factor[0][where].double(), torch.full((n,), expected, dtype=torch.float64), rtol=1e-5)
+    assert torch.all(factor[~mask] == 0)

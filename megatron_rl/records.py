@@ -24,9 +24,14 @@ entry is ENV_LOGPROB and its `weight_versions` entry ENV_VERSION, placeholders n
 `loss_mask` None (a single-turn sample, a one-turn episode) means every completion token is
 model-sampled. `TrainSequence` carries the same mask, so the trainer's loss mask honours it;
 staleness and version statistics read `model_versions` (the model tokens' versions only).
+
+MoE routing replay (`algo.routing_replay`; docs/train.md "Routing replay"): a Rollout and its
+TrainSequence may carry `RoutedExperts`, the experts the generator's router chose at every position it
+ran through the model, packed as bytes (a list of ints would take ~28 bytes per id).
 """
 from __future__ import annotations
 
+import base64
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -58,6 +63,50 @@ def check_loss_mask(mask: list[int] | None, n: int, what: str) -> None:
         raise ValueError(f"{what}: {n} completion tokens but a loss mask of {len(mask)}")
     if any(m not in (0, 1) or isinstance(m, float) for m in mask):
         raise ValueError(f"{what}: loss mask entries must be 0 (environment) or 1 (model), got {sorted(set(mask))}")
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts the generator's MoE router chose for one sequence: `ids` holds an array
+    [positions, layers, topk] of expert ids, row-major, `itemsize` bytes each (1: uint8, models with at
+    most 256 experts; 2: uint16, little-endian). Position p is token p of prompt + completion as it went
+    through the model; the positions are all but the last token (the generator never runs its last
+    sampled token, and that token's routing changes no logprob)."""
+
+    ids: bytes
+    layers: int
+    topk: int
+    itemsize: int = 1
+
+    def __post_init__(self) -> None:
+        if self.itemsize not in (1, 2) or self.layers < 1 or self.topk < 1:
+            raise ValueError(f"routed experts: itemsize {self.itemsize} (1 or 2), layers {self.layers} and "
+                             f"topk {self.topk} (>= 1)")
+        if len(self.ids) % self.bytes_per_position:
+            raise ValueError(f"routed experts: {len(self.ids)} bytes are no whole number of positions of "
+                             f"{self.bytes_per_position} bytes")
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.layers * self.topk * self.itemsize
+
+    @property
+    def positions(self) -> int:
+        return len(self.ids) // self.bytes_per_position
+
+    def check_covers(self, n_tokens: int, what: str) -> None:
+        """ValueError unless these are the routes of a sequence of `n_tokens` tokens (all but its last)."""
+        if self.positions != n_tokens - 1:
+            raise ValueError(f"{what}: {n_tokens} tokens but routed experts of {self.positions} positions "
+                             f"(expected {n_tokens - 1}: every token but the last)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (controller checkpoints): the ids as base64."""
+        return {**asdict(self), "ids": base64.b64encode(self.ids).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RoutedExperts":
+        return cls(**(dict(data) | {"ids": base64.b64decode(data["ids"])}))
 
 
 @dataclass
@@ -191,6 +240,8 @@ class Rollout:
     # 1 = model-sampled, 0 = environment token (module docstring); None: every token is the model's.
     loss_mask: list[int] | None = None
     episode: EpisodeReport = field(default_factory=EpisodeReport)
+    # The generator's expert choices (routing replay); None: not asked for, or the server returned none.
+    routed_experts: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -199,6 +250,8 @@ class Rollout:
                 f"rollout {self.group_id}/{self.sample_index}: {n} completion tokens but "
                 f"{len(self.behaviour_logprobs)} logprobs and {len(self.weight_versions)} versions")
         check_loss_mask(self.loss_mask, n, f"rollout {self.group_id}/{self.sample_index}")
+        if self.routed_experts is not None:
+            self.routed_experts.check_covers(len(self.prompt_ids) + n, f"rollout {self.group_id}/{self.sample_index}")
 
     @property
     def key(self) -> tuple[str, int]:
@@ -217,7 +270,8 @@ class Rollout:
         return min(versions) if versions else -1
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        routed = self.routed_experts
+        return asdict(self) | {"routed_experts": None if routed is None else routed.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Rollout":
@@ -231,6 +285,8 @@ class Rollout:
             data["stage"] = LengthStage(0, *old)
         if isinstance(data.get("episode"), dict):
             data["episode"] = EpisodeReport(**data["episode"])
+        if isinstance(data.get("routed_experts"), dict):
+            data["routed_experts"] = RoutedExperts.from_dict(data["routed_experts"])
         return cls(**data)
 
 
@@ -248,6 +304,7 @@ class TrainSequence:
     temperature: float = 1.0
     group_id: str = ""  # samples of one prompt share it (the KL-in-reward baseline is per group)
     loss_mask: list[int] | None = None  # Rollout.loss_mask: one per completion token; None: all 1
+    routed_experts: RoutedExperts | None = None  # Rollout.routed_experts (None: the trainer routes it all)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids) - self.prompt_len
@@ -263,6 +320,8 @@ class TrainSequence:
         check_loss_mask(self.loss_mask, n, "sequence")
         if self.loss_mask is not None and not any(self.loss_mask):
             raise ValueError("sequence has no model-sampled completion token (its loss mask is all 0)")
+        if self.routed_experts is not None:
+            self.routed_experts.check_covers(len(self.token_ids), "sequence")
 
     @property
     def completion_len(self) -> int:

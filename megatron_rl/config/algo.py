@@ -45,6 +45,10 @@ class AlgoConfig:
     # Entropy bonus: entropy_coef x the token-mean policy entropy is subtracted from the loss (maximised).
     # 0 = off (Magistral found it unstable and uses clip-higher instead; docs/experiments.md).
     entropy_coef: float = 0.0
+    # MoE routing replay (R3, docs/train.md "Routing replay"): the generators return the experts their
+    # routers chose for every position, and the trainer's routers use those experts in every pass (gates
+    # recomputed by the current router over them). MoE models only (refused for a dense one).
+    routing_replay: bool = False
     # On-policy distillation (docs/algo.md "Distillation"): a frozen teacher on the trainer ranks, an HF
     # model named like trainer.model with the student's tokenizer; null = none. Each sampled token's
     # advantage gains distill_coef * (log teacher - log student at the update start).

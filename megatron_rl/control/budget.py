@@ -73,7 +73,8 @@ class ReadySequence:
         return TrainSequence(token_ids=list(r.prompt_ids) + list(r.completion_ids), prompt_len=len(r.prompt_ids),
                              behaviour_logprobs=list(r.behaviour_logprobs), advantage=self.advantage,
                              weight_versions=list(r.weight_versions), temperature=r.temperature,
-                             group_id=self.group_id, loss_mask=None if r.loss_mask is None else list(r.loss_mask))
+                             group_id=self.group_id, loss_mask=None if r.loss_mask is None else list(r.loss_mask),
+                             routed_experts=r.routed_experts)
 
 
 # the counter of each outcome that drops a group, and its key in the metrics line

@@ -16,6 +16,7 @@ from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, PauseForUpdate, RolloutsReport, Stop,
                                           WorkerFailure)
 from megatron_rl.rollout.generator import Generator, GeneratorDied
+from megatron_rl.rollout.routing import SERVER_FLAG, RoutingShape
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.generator_side import answer, status_of
 from megatron_rl.train.hf_source import resolve_model
@@ -24,10 +25,11 @@ from megatron_rl.train.hf_source import resolve_model
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
                 gpus: tuple[int, ...] = ()) -> ServerSpec:
     g = cfg.generator
+    replay = [SERVER_FLAG] if cfg.algo.routing_replay else []  # the server keeps every position's routes
     return ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
-                      extra_args=list(g.extra_args), tp_size=g.tp_size, host=host, gpu_ids=gpus)
+                      extra_args=list(g.extra_args) + replay, tp_size=g.tp_size, host=host, gpu_ids=gpus)
 
 
 def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
@@ -39,7 +41,8 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
     try:
         gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,
                         episodes=episode_setup(cfg, resolve_model(model_dir).tokenizer()),
-                        record_boundaries=cfg.env.multi_turn)
+                        record_boundaries=cfg.env.multi_turn,
+                        routing=RoutingShape.of_model(model_dir) if cfg.algo.routing_replay else None)
         _check_gpus(gpus, rank)
         gen.start()
     except Exception as e:

@@ -8,6 +8,11 @@ ids (stop token included: SGLang returns it) and by observation ids: nothing sam
 encoded again, and the history is never re-rendered. So the completion the trainer scores is exactly
 the token sequence the generator sampled in and the model saw.
 
+Routing replay: each turn's routed experts (`Turn.routes`, asked from the first position the episode
+holds none of) extend `Episode.routes`; a turn's rows replace any the episode held from their first
+position on, so a position keeps the routes of the last request that returned them. A turn without
+routes (aborted) leaves the episode with none: the trainer then routes it itself.
+
 Every sampled token keeps its behaviour logprob and the weight version that produced it (an in-place
 update inside a turn splits the turn's versions); environment tokens get loss_mask 0 and the
 placeholders ENV_LOGPROB / ENV_VERSION. A turn after a weight update is a new request under the new
@@ -36,6 +41,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from megatron_rl.data.turns import ChatTurns
 from megatron_rl.env import SingleTurn
@@ -79,8 +86,11 @@ class Episode:
     turn_texts: list[str] = field(default_factory=list)  # every model turn's text, in order
     observations: list[list[dict[str, str]]] = field(default_factory=list)  # as shown after each turn
     started: float = field(default_factory=time.monotonic)  # when it began (a resumed one: earlier)
+    # [positions, layers, topk] routed experts of prompt + ids but the last token (routing replay); None: none
+    routes: np.ndarray | None = None
 
     def add_turn(self, turn: Turn) -> None:
+        self.routes = self._routes_after(turn)
         self.ids += turn.ids
         self.logprobs += turn.logprobs
         self.versions += turn.versions
@@ -90,6 +100,15 @@ class Episode:
         self.report.turns += 1
         self.report.prompt_tokens += turn.prompt_tokens
         self.report.cached_tokens += turn.cached_tokens
+
+    def _routes_after(self, turn: Turn) -> np.ndarray | None:
+        """The episode's routes with `turn`'s (before its ids are added): None when the turn has none or
+        they start past the positions held."""
+        if turn.routes is None:
+            return None
+        start = len(self.prompt_ids) + len(self.ids) + len(turn.ids) - 1 - len(turn.routes)
+        held = self.routes[:start] if self.routes is not None else turn.routes[:0]
+        return np.concatenate([held, turn.routes]) if len(held) == start else None
 
     def add_observation(self, messages: list[dict[str, str]], ids: list[int]) -> None:
         self.observations.append(messages)

@@ -5,7 +5,9 @@
   cache), capped by the group's length stage, which each of its rollouts carries back
   (`Rollout.stage`); `submit(group_id, prompt_ids, ...)` is the same for a group built on the spot.
 - `get(timeout)` / `completions()` yield finished `Rollout`s with token ids, per-token behaviour
-  logprobs (log_softmax(logits / T), as SGLang reports them) and per-token weight versions.
+  logprobs (log_softmax(logits / T), as SGLang reports them) and per-token weight versions, and with
+  `routing` (routing replay) the experts the server routed every position to (`Rollout.routed_experts`:
+  each turn asks for the positions from the first one its episode holds no routes of).
 - `begin_update()` / `finish_update(version)` bracket an in-flight weight update: pause
   (`in_place` keeps running sequences and their KV, `retract` re-prefills them), open SGLang's
   weight-update session, ... senders push buckets ..., set + verify the version, close the session,
@@ -45,6 +47,7 @@ from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreach
 from megatron_rl.rollout.episode import Episode, EpisodeSetup, ReplayDiverged, run_episode
 from megatron_rl.rollout.outputs import Turn, parse_version, scoring_temperature
 from megatron_rl.rollout.prefix_cache import PrefixCachePolicy
+from megatron_rl.rollout.routing import RoutingShape
 from megatron_rl.rollout.server import SGLangServer
 
 
@@ -77,14 +80,17 @@ class Sample:
     attempts: int = 0
     streamed: int = 0  # output tokens received by its current request
     request_id: str = ""  # of the request now on the server (one per turn and attempt)
+    routes_from: int = 0  # first position its episode holds no routed experts of (routing replay)
 
 
 class Generator:
     def __init__(self, server: SGLangServer, rollout: RolloutConfig | None = None,
                  config: GeneratorConfig | None = None, generator_id: int = 0,
                  max_concurrency: int | None = None, on_death: Literal["restart", "raise"] = "restart",
-                 max_restarts: int = 3, episodes: EpisodeSetup | None = None, record_boundaries: bool = False):
+                 max_restarts: int = 3, episodes: EpisodeSetup | None = None, record_boundaries: bool = False,
+                 routing: RoutingShape | None = None):
         self.server = server
+        self.routing = routing  # ask for the routed experts of every position (the server runs with routing.SERVER_FLAG)
         self.episodes = episodes or EpisodeSetup()
         self.rollout = rollout or RolloutConfig()
         self.config = config or GeneratorConfig()
@@ -198,7 +204,8 @@ class Generator:
                         completion_ids=ep.ids, behaviour_logprobs=ep.logprobs, weight_versions=ep.versions,
                         finish_reason=ep.finish_reason, text=ep.text, generator_id=self.generator_id,
                         stage=s.group.stage, temperature=scoring_temperature(s.sampling), loss_mask=ep.loss_mask,
-                        episode=ep.report)
+                        episode=ep.report,
+                        routed_experts=None if ep.routes is None else self.routing.record(ep.routes))
             # queued before it leaves _pending: in_flight == 0 with an empty queue means all delivered
             self._out.put(r)
             with self._lock:
@@ -251,8 +258,13 @@ class Generator:
             s.streamed = 0  # each request (a turn, a turn again) streams from its first token
             body = {"input_ids": context, "sampling_params": dict(s.sampling, max_new_tokens=max_new_tokens),
                     "return_logprob": True, "rid": s.request_id, "cache_salt": self.cache.salt()}
+            if self.routing is not None:
+                body |= {"return_routed_experts": True, "routed_experts_start_len": s.routes_from}
             try:
-                return Turn.of(self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n)))
+                out = self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n))
+                turn = Turn.of(out, self.routing, s.routes_from)
+                s.routes_from = len(context) + len(turn.ids) - 1
+                return turn
             except ServerUnreachable as err:
                 if not self._recover(incarnation, err):
                     raise _ServerGone from err

@@ -1,11 +1,15 @@
 """One SGLang /generate answer as a model `Turn`: tokens, behaviour logprobs, versions per token,
-why it ended, prompt and cached tokens (megatron_rl.rollout.episode strings turns into an episode)."""
+why it ended, prompt and cached tokens, and the routed experts when asked for (routing replay)
+(megatron_rl.rollout.episode strings turns into an episode)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from megatron_rl.records import FinishReason
+from megatron_rl.rollout.routing import MissingRoutes, RoutingShape
 
 
 class MalformedOutput(ValueError):
@@ -63,10 +67,14 @@ class Turn:
     text: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # [rows, layers, topk] expert ids of the positions from the request's routed_experts_start_len to
+    # the last but one token of input + output (routing.py); None: not asked for, or an aborted turn's
+    routes: np.ndarray | None = None
 
     @classmethod
-    def of(cls, out: dict) -> "Turn":
-        """Parse an answer; MalformedOutput when its ids, logprobs and versions do not agree."""
+    def of(cls, out: dict, routing: RoutingShape | None = None, routes_from: int = 0) -> "Turn":
+        """Parse an answer; MalformedOutput when its ids, logprobs and versions do not agree, or when the
+        routes asked for (`routing`, from position `routes_from`) are missing from a turn not aborted."""
         meta = out.get("meta_info") or {}
         ids = out.get("output_ids")
         if ids is None:
@@ -80,8 +88,16 @@ class Turn:
             if tok != t:
                 raise MalformedOutput(f"logprob entry for token {tok} where output has {t}")
         versions = expand_version_spans(meta.get("weight_versions"), len(ids), meta.get("weight_version"))
-        return cls(list(ids), [float(x[0]) for x in lps], versions, finish_reason(meta), out.get("text", ""),
-                   int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0))
+        prompt_tokens, reason = int(meta.get("prompt_tokens") or 0), finish_reason(meta)
+        routes = None
+        if routing is not None:
+            try:
+                routes = routing.decode(meta, prompt_tokens + len(ids) - 1 - routes_from)
+            except MissingRoutes as e:
+                if reason != "abort":  # an aborted request is never collected: it has none
+                    raise MalformedOutput(str(e)) from None
+        return cls(list(ids), [float(x[0]) for x in lps], versions, reason, out.get("text", ""),
+                   prompt_tokens, int(meta.get("cached_tokens") or 0), routes)
 
 
 def scoring_temperature(sampling: dict) -> float:

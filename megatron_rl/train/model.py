@@ -4,7 +4,7 @@ Mixtral through `moe.py`).
 API:
 - `model_dims(hf_config, tp=1) -> ModelDims`: the HF shapes plus the padded shapes Megatron uses.
 - `build_model(hf_config, layout, dtype=torch.float32, *, use_te=None, recompute=None, router_aux_loss=0.0,
-  per_token_loss=False) -> list[GPTModel]`:
+  per_token_loss=False, routing_replay=False) -> list[GPTModel]`:
   this rank's model chunks (`layout.sequence_parallel` and `recompute`, a `Recompute`, set the
   activation-memory options of their TransformerConfig) (one per virtual pipeline stage; one chunk without VPP). Call
   `init_parallel(layout)` first. Each chunk carries `chunk.mrl_dims` (ModelDims) and
@@ -337,8 +337,10 @@ def layer_spec(use_te: bool | None = None, segment_attention: bool = True, qk_no
 
 def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
                 use_te: bool | None = None, recompute: Recompute | None = None,
-                router_aux_loss: float = 0.0, per_token_loss: bool = False) -> list:
-    """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run)."""
+                router_aux_loss: float = 0.0, per_token_loss: bool = False, routing_replay: bool = False) -> list:
+    """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run). `routing_replay`:
+    the MoE routers replay the experts micro-batches carry (train.routing_replay; ValueError naming
+    algo.routing_replay for a dense model)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -350,6 +352,8 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
             ps.get_expert_model_parallel_world_size() != layout.ep:
         raise ValueError("layout does not match the initialised parallel state")
     dims = model_dims(hf_config, layout.tp)
+    if routing_replay and not dims.moe:
+        raise ValueError(f"algo.routing_replay needs an MoE model; {getattr(hf_config, 'model_type', '?')} is dense")
     if use_te is None:
         use_te = te_available()
     config = transformer_config(dims, layout, dtype, use_te=use_te, recompute=recompute,
@@ -379,6 +383,10 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
         chunk.mrl_vp_stage = vp_stage
         if dims.moe:  # before DDP wraps the chunk: it groups the grads by this mark
             reduce_expert_grads_over_expert_dp(chunk)
+        if routing_replay:
+            from megatron_rl.train import routing_replay as replay
+
+            replay.attach(chunk)
         chunks.append(chunk)
     return chunks
 

@@ -19,6 +19,10 @@ episode, only its model-sampled tokens: `TrainSequence.loss_mask`; environment t
 and carry no loss, no behaviour logprob and no version); `behaviour_logprobs` and `advantages` are
 placed there as well. The last token of each sequence
 predicts nothing inside the bin (its label is masked), so sequences never leak into each other.
+
+Routing replay: `routed_experts` ([layers, topk, T], T last so that `cp_slice` keeps each rank's
+tokens) holds each sequence's `TrainSequence.routed_experts` at its own positions; -1 where the
+router routes by itself (each sequence's last token, padding, sequences without routes).
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from megatron_rl.algo.mismatch import mixed_context
-from megatron_rl.records import TrainSequence
+from megatron_rl.records import RoutedExperts, TrainSequence
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -113,6 +118,9 @@ class PackedMicroBatch:
     # bool [1, T], True at padding (bin tail, CP segment tails): Megatron's MoE `padding_mask`, so the
     # router load-balancing loss counts real tokens only
     pad_mask: torch.Tensor | None = None
+    # int16 [layers, topk, T]: the generator's expert ids per position (routing replay; -1: the router's
+    # own choice); None: no sequence of the bin has routes
+    routed_experts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -219,6 +227,18 @@ def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+def routes_tensor(routes: RoutedExperts) -> torch.Tensor:
+    """A record's expert ids as int16 [positions, layers, topk] (ids below 2**15: any real model)."""
+    ids = np.frombuffer(routes.ids, dtype=np.uint8 if routes.itemsize == 1 else "<u2")
+    return torch.from_numpy(ids.astype(np.int16)).view(routes.positions, routes.layers, routes.topk)
+
+
+def _empty_routes(seqs: Sequence[TrainSequence], indices: list[int], length: int) -> torch.Tensor | None:
+    """-1 everywhere, shaped for the bin's routes; None when none of its sequences has any."""
+    routed = [seqs[i].routed_experts for i in indices if seqs[i].routed_experts is not None]
+    return torch.full((routed[0].layers, routed[0].topk, length), -1, dtype=torch.int16) if routed else None
+
+
 def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Sequence[float],
                length: int, pad_id: int, seq_multiple: int = 1) -> PackedMicroBatch:
     tokens = torch.full((length,), pad_id, dtype=torch.long)
@@ -231,6 +251,7 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     mixed = torch.zeros(length, dtype=torch.bool)
     segment_ids = torch.full((length,), len(indices), dtype=torch.long)
     pad_mask = torch.ones(length, dtype=torch.bool)
+    routed = _empty_routes(seqs, indices, length)
     temps = [float(seqs[i].temperature) for i in indices]
     temperature = torch.ones(length, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
     cu = [0]
@@ -251,6 +272,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
             sampled = torch.tensor(s.weight_versions, dtype=torch.long)
             versions[start + p - 1:start + n - 1] = torch.where(own > 0, sampled, -1)
             mixed[start + p - 1:start + n - 1] = mixed_context(sampled, own)
+        if s.routed_experts is not None:  # positions 0 .. n-2: the last token was never routed by the generator
+            routed[:, :, start:start + n - 1] = routes_tensor(s.routed_experts).permute(1, 2, 0)
         padded = _round_up(n, seq_multiple)  # CP: the segment's own pad tokens follow it (no loss)
         position_ids[start:start + padded] = torch.arange(padded)
         segment_ids[start:start + padded] = j
@@ -268,7 +291,8 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         seq_indices=list(indices), n_real_tokens=real,
         temperature=None if temperature is None else temperature.unsqueeze(0),
-        weight_versions=versions.unsqueeze(0), mixed_context=mixed.unsqueeze(0), pad_mask=pad_mask.unsqueeze(0))
+        weight_versions=versions.unsqueeze(0), mixed_context=mixed.unsqueeze(0), pad_mask=pad_mask.unsqueeze(0),
+        routed_experts=routed)
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,

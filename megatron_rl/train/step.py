@@ -111,11 +111,12 @@ def _pad_multiple(chunk_config) -> int:
 
 
 def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
-    from megatron_rl.train import attention
+    from megatron_rl.train import attention, routing_replay
 
     # bf16 chunks: bf16 logits (no float32 [tokens, vocab] copy by Float16Module); losses sum in float32
     kw = {"fp32_output": False} if getattr(model_chunk, "mrl_half_precision", False) else {}
     with moe.router_padding(model_chunk, mb, kw) as kw:  # MoE: the bins' pad tokens out of the aux loss
+        routing_replay.set_targets(model_chunk, mb)  # MoE: the generator's experts (algo.routing_replay)
         # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
         if use_thd or attention.uses_segment_attention(model_chunk):
             return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
@@ -313,11 +314,14 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
 def _schedule(model: list, prepared: PreparedMinibatch, forward_step, forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_rl.train import routing_replay
+
     mbs = prepared.packed.micro_batches
     iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iters, model=model, num_microbatches=len(mbs),
-        seq_length=prepared.packed.seq_length, micro_batch_size=1, forward_only=forward_only)
+    with routing_replay.replaying(model):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=model, num_microbatches=len(mbs),
+            seq_length=prepared.packed.seq_length, micro_batch_size=1, forward_only=forward_only)
 
 
 def _store_logprobs(mb: PackedMicroBatch, ctx: StepContext, field: str, output: torch.Tensor):
@@ -366,6 +370,10 @@ def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMiniba
     moe.release_dispatch_state(model)
     device = model_device(model)
     metrics = _reduce_metrics(stores if ps.is_pipeline_last_stage(ignore_virtual=True) else [], ctx, device)
+    if ctx.algo.routing_replay:
+        from megatron_rl.train import routing_replay
+
+        metrics.update(routing_replay.agreement_metrics(model, device))
     real, packed_tok = dp_sum_ints([packed.stats.real_tokens, packed.stats.packed_tokens], device)
     naive = len(seqs) * max(len(s.token_ids) for s in seqs)  # baseline: every sequence padded to the longest
     n_mbs = len(packed.micro_batches)

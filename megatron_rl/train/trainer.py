@@ -64,7 +64,8 @@ class Trainer:
             hf_config = hf_config or source.config()
         self.hf_config = hf_config
         chunks = build_model(hf_config, self.layout, precision_dtype(t), recompute=Recompute.from_trainer(t),
-                             router_aux_loss=t.moe_aux_loss_coef, per_token_loss=True)
+                             router_aux_loss=t.moe_aux_loss_coef, per_token_loss=True,
+                             routing_replay=config.algo.routing_replay)
         if load_weights:
             from megatron_rl.train.hf_weights import load_hf_weights
 
@@ -115,6 +116,8 @@ class Trainer:
         summary.update(distilled)
         summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
         summary["loss_tokens"] = sum(s["n_loss_tokens"] for s in steps)  # the update's, over its minibatches
+        if self.config.algo.routing_replay:  # host memory the batch's routes took (records.RoutedExperts)
+            summary["routed_experts_bytes"] = sum(len(s.routed_experts.ids) for s in seqs if s.routed_experts)
         summary.update(version=self.version, step=self.step, steps=steps)
         return summary
 

@@ -5,8 +5,14 @@ torch_native attention path calls is `assign_req_to_token_pool_cpu`, implemented
 Any other function raises immediately with its name, so an unexpected call is never silent.
 Put this folder's parent on PYTHONPATH of the SGLang server process only
 (`megatron_rl.platform.sglang_cpu_env()` does that).
+Importing it also lets SGLang's routed-experts capture allocate its host buffer without CUDA
+(`_unpinned_host`).
 """
 import torch
+
+from ._unpinned_host import install as _install_unpinned_host
+
+_install_unpinned_host()
 
 __version__ = "0.0.0+megatron_rl_stub"
 

@@ -12,6 +12,7 @@ can be graded (control.grading.GradingLedger).
 from __future__ import annotations
 
 from megatron_rl.config import Config, ConfigError
+from megatron_rl.log import get_logger
 from megatron_rl.reward.sandbox import SandboxUnavailable
 
 # Sources whose tasks can be code: a JSONL or parquet file, and HumanEval (which the data loader refuses for
@@ -67,12 +68,26 @@ def check_model(cfg: Config) -> None:
     from megatron_rl.train.teacher import check_same_vocab
 
     check_precision(cfg.trainer.precision)
+    warn_slow_bf16(cfg)
     sources = [resolve_model(name) for name in (cfg.trainer.model, cfg.algo.teacher) if name is not None]
     for source in sources:
         if not source.gguf_file:  # the shipped GGUF model is a Llama
             check_family(source.path)
     if cfg.algo.teacher is not None:
         check_same_vocab(sources[0].tokenizer(), sources[1].tokenizer(), cfg.algo.teacher)
+
+
+def warn_slow_bf16(cfg: Config) -> str | None:
+    """A warning (logged, and returned) when the run computes in bf16 on a CPU without bf16 arithmetic:
+    every matmul of the trainers and the generators is then converted, tens of times slower than fp32."""
+    from megatron_rl.platform import cpu_has_fast_bf16, has_cuda
+
+    if cfg.trainer.precision != "bf16" or has_cuda() or cpu_has_fast_bf16() is not False:
+        return None
+    why = ("trainer.precision: bf16 on a CPU without AVX512-BF16 or AMX: its matmuls run tens of times slower "
+           "than fp32 here (trainers and generators); fp32 is faster on this machine")
+    get_logger(__name__).warning(why)
+    return why
 
 
 def check_code_sandbox(cfg: Config) -> None:

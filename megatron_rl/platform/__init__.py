@@ -6,7 +6,8 @@
 - `sglang_cpu_env()`: environment for an SGLang server process on CPU: the CPU engine switch and the
   import-only `sgl_kernel` stub on its PYTHONPATH (the stub never enters this process); it adds
   nothing when a CUDA device exists.
-- `te_available()`: Transformer Engine's layer spec can be used (CUDA and an importable TE).
+- `te_available()`: Transformer Engine's layer spec can be used (CUDA and an importable TE);
+  `cpu_has_fast_bf16()`: the CPU has bf16 arithmetic (else bf16 runs tens of times slower than fp32).
 - `pin_nccl_cumem(env)`: the one NCCL_CUMEM_ENABLE of every member of a weight-update group.
 - `megatron_kernel_options(use_te, interleaved)`: the Megatron fusion / p2p / init switches this
   machine supports (everything off on CPU-gloo, Megatron's training defaults on CUDA where the kernel
@@ -22,7 +23,7 @@ from typing import MutableMapping
 
 import torch
 
-from .machine import has_cuda, te_available  # the machine facts, re-exported
+from .machine import cpu_flags, cpu_has_fast_bf16, has_cuda, te_available  # the machine facts, re-exported
 
 SGL_KERNEL_STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
 

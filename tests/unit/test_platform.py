@@ -235,3 +235,28 @@ def test_trainer_and_server_of_an_update_group_get_one_nccl_cumem_setting(monkey
         server = sglang_cpu_env()["NCCL_CUMEM_ENABLE"]
         _setup_dist_env(place)
         assert os.environ["NCCL_CUMEM_ENABLE"] == server == (job or "0")
+
+
+def test_cpu_flags_and_bf16_arithmetic(tmp_path):
+    from megatron_rl.platform import cpu_flags, cpu_has_fast_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma\nbogomips\t: 1\n")
+    assert cpu_flags(info) == {"fpu", "sse", "avx2", "fma"}
+    assert cpu_flags(tmp_path / "none") is None
+    assert cpu_has_fast_bf16({"avx2"}) is False
+    assert cpu_has_fast_bf16({"avx2", "avx512_bf16"}) and cpu_has_fast_bf16({"amx_bf16"})
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_warned_naming_the_key(monkeypatch):
+    from megatron_rl.config import config_from_dict
+    from megatron_rl.control import preflight
+
+    monkeypatch.setattr("megatron_rl.platform.has_cuda", lambda: False)
+    for flags, precision, warned in [({"avx2"}, "bf16", True), ({"avx2"}, "fp32", False),
+                                     ({"amx_bf16"}, "bf16", False), (None, "bf16", False)]:
+        monkeypatch.setattr("megatron_rl.platform.cpu_has_fast_bf16",
+                            lambda flags=flags: None if flags is None else bool({"amx_bf16"} & flags))
+        why = preflight.warn_slow_bf16(config_from_dict({"trainer": {"precision": precision}}))
+        assert (why is not None) == warned
+        assert why is None or why.startswith("trainer.precision: bf16 on a CPU without AVX512-BF16 or AMX")

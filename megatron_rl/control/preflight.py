@@ -60,8 +60,8 @@ def check_config(cfg: Config) -> None:
 def check_model(cfg: Config) -> None:
     """ModelUnavailable (one line) when trainer.model or algo.teacher cannot be found here (no downloads)
     or is of a family the trainer does not build (the supported ones are listed); ConfigError when
-    trainer.precision has no attention under the layer spec this machine gives the trainers, or when the
-    teacher's tokenizer is not the student's."""
+    trainer.precision has no attention under the layer spec this machine gives the trainers, when the
+    teacher's tokenizer is not the student's, or when algo.routing_replay is on for a dense model."""
     from megatron_rl.train.hf_cache import check_family
     from megatron_rl.train.hf_source import resolve_model
     from megatron_rl.train.model import check_precision
@@ -73,8 +73,21 @@ def check_model(cfg: Config) -> None:
     for source in sources:
         if not source.gguf_file:  # the shipped GGUF model is a Llama
             check_family(source.path)
+    if cfg.algo.routing_replay:
+        check_routing_replay(sources[0])
     if cfg.algo.teacher is not None:
         check_same_vocab(sources[0].tokenizer(), sources[1].tokenizer(), cfg.algo.teacher)
+
+
+def check_routing_replay(source) -> None:
+    """ConfigError naming algo.routing_replay when the trained model has no MoE router to replay."""
+    from megatron_rl.train.hf_cache import check_family
+    from megatron_rl.train.moe import MOE_MODEL_TYPES
+
+    family = "llama" if source.gguf_file else check_family(source.path)
+    if family not in MOE_MODEL_TYPES:
+        raise ConfigError(f"algo.routing_replay: trainer.model is a dense {family} model; routing replay needs an "
+                          f"MoE family ({', '.join(MOE_MODEL_TYPES)})")
 
 
 def warn_slow_bf16(cfg: Config) -> str | None:

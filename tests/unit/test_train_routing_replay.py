@@ -165,3 +165,15 @@ def test_full_recompute_replays_each_micro_batch_in_the_backward(moe_dir, monkey
     assert len(routers) == LAYERS and all(base_grads[n].abs().sum() > 0 for n in routers)
     for name, g in grads.items():
         torch.testing.assert_close(g, base_grads[name], rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_dense_model_is_refused_before_launch_naming_the_key(tiny_llama_dir, moe_dir):
+    from megatron_rl.config import ConfigError, config_from_dict
+    from megatron_rl.control.preflight import check_model
+
+    def config(model):
+        return config_from_dict({"trainer": {"model": str(model), "precision": "fp32"}, "algo": {"routing_replay": True}})
+
+    with pytest.raises(ConfigError, match=r"^algo\.routing_replay: trainer\.model is a dense llama model"):
+        check_model(config(tiny_llama_dir))
+    check_model(config(moe_dir))

@@ -26,8 +26,9 @@ PANELS = (
     ("grad norm", ("train/grad_norm",)),
     ("staleness", ("staleness/mean", "staleness/max")),
     ("idle fraction", ("generator_idle_frac", "trainer_idle_frac")),
-    # trainer vs generator logprobs (docs/train.md "Trainer/generator mismatch")
-    ("logprob mismatch", ("mismatch/lag0/abs_mean", "mismatch/lag0/kl_k3", "mismatch/lag1/abs_mean")),
+    # trainer vs generator logprobs (docs/train.md "Trainer/generator mismatch"); lag 0 also by context
+    ("logprob mismatch", ("mismatch/lag0/abs_mean", "mismatch/lag0_pure/abs_mean", "mismatch/lag0_mixed/abs_mean",
+                          "mismatch/lag0/kl_k3", "mismatch/lag1/abs_mean")),
     # held-out evaluation (run.eval_every): a key ending in "*" draws every key it starts (eval/pass@k)
     ("eval (held-out)", ("eval/pass@*",)),
     # multi-turn episodes (env.name): drawn for runs whose episodes have more than one turn

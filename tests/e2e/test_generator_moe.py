@@ -29,7 +29,7 @@ if __name__ == "__main__":  # a torchrun rank of the EP=2 test (`ep2_trainer_ran
 from megatron_rl.sync.sender import WeightSender
 from megatron_rl.sync.update import push_in_process, target_of
 from support.runs import running_generator
-from support.train_models import make_tiny_moe
+from support.train_models import make_served_tiny_moe
 from test_generator import PROMPTS, assert_matches_hf
 
 pytestmark = pytest.mark.e2e
@@ -41,12 +41,8 @@ EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$"
 @pytest.fixture(scope="module")
 def moe_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny MoE with the tiny Llama's tokenizer (the server needs one; the vocab sizes agree)."""
-    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    out = make_tiny_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), family="qwen3_moe", hidden=64, heads=4,
-                        kv_heads=2, head_dim=16, experts=EXPERTS, topk=2, expert_ffn=48, vocab=vocab)
-    for f in tiny_llama_dir.glob("tokenizer*"):
-        shutil.copy(f, out / f.name)
-    return out
+    return make_served_tiny_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), tiny_llama_dir, family="qwen3_moe",
+                                experts=EXPERTS, topk=2, expert_ffn=48)
 
 
 @pytest.fixture(scope="module")

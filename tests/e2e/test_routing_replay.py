@@ -12,16 +12,13 @@ differ (`routing_agreement` < 1), and the lag-0 logprob mismatch is larger than 
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from megatron_rl.records import TrainSequence
 from megatron_rl.rollout.routing import SERVER_FLAG, RoutingShape
 from support.runs import running_generator
-from support.train_models import make_tiny_moe
+from support.train_models import make_served_tiny_moe
 
 pytestmark = pytest.mark.e2e
 
@@ -36,16 +33,13 @@ def moe_dir(tiny_llama_dir, tmp_path_factory):
     Llama's tokenizer."""
     from safetensors.torch import load_file, save_file
 
-    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    out = make_tiny_moe(tmp_path_factory.mktemp("replay_moe"), hidden=64, heads=4, kv_heads=2, head_dim=16,
-                        experts=EXPERTS, topk=TOPK, expert_ffn=16, vocab=vocab)
+    out = make_served_tiny_moe(tmp_path_factory.mktemp("replay_moe"), tiny_llama_dir, experts=EXPERTS, topk=TOPK,
+                               expert_ffn=16)
     scale = {"down_proj.weight": 20.0, "lm_head.weight": 4.0}
     for f in out.glob("*.safetensors"):
         tensors = load_file(str(f))
         save_file({n: t * next((v for k, v in scale.items() if n.endswith(k)), 1.0) for n, t in tensors.items()},
                   str(f), metadata={"format": "pt"})
-    for f in tiny_llama_dir.glob("tokenizer*"):
-        shutil.copy(f, out / f.name)
     return out
 
 

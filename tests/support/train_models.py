@@ -72,6 +72,19 @@ def make_tiny_moe(out: Path, family: str = "qwen3_moe", layers: int = 2, hidden:
     return out
 
 
+def make_served_tiny_moe(out: Path, tokenizer_dir: Path, **moe) -> Path:
+    """`make_tiny_moe` (hidden 64, 4 heads of 16, 2 KV heads, plus `moe`) with the tokenizer of the tiny
+    Llama in `tokenizer_dir` and its vocabulary size: an SGLang server needs a tokenizer."""
+    import json
+    import shutil
+
+    vocab = json.loads((Path(tokenizer_dir) / "config.json").read_text())["vocab_size"]
+    out = make_tiny_moe(out, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=vocab, **moe)
+    for f in Path(tokenizer_dir).glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
 def smollm2_fp32_dir(root: Path) -> Path:
     """SmolLM2-135M dequantised from the GGUF into an fp32 HF dir under `root` (the generators' copy,
     control.model_files), made once per pytest session so multi-process workers load safetensors."""

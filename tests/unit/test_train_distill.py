@@ -6,6 +6,7 @@ another tokenizer is refused naming algo.teacher (tests/e2e/test_train_distill.p
 toward the teacher in a real run)."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from megatron_rl.config import ConfigError, config_from_dict
 from megatron_rl.records import Batch, TrainSequence
-from support.policies import completion_logprobs, hf_model, hf_policy, make_trainer
+from support.policies import completion_logprobs, hf_model, hf_policy, make_trainer, sample_groups
 from support.train_models import make_tiny_hf
 
 TEMPERATURE = 0.7
@@ -29,18 +30,10 @@ def teacher_dir(tiny_llama_dir, tmp_path_factory):
     return folder
 
 
-def make_seqs(model, n=5, seed=0) -> list[TrainSequence]:
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for i in range(n):
-        p, c = 2 + i % 3, 3 + (5 * i) % 7
-        ids = torch.randint(3, model.config.vocab_size, (p + c,), generator=g).tolist()
-        s = TrainSequence(ids, p, [0.0] * c, advantage=float(torch.randn((), generator=g)),
-                          temperature=TEMPERATURE, group_id=f"g{i % 2}")
-        with torch.no_grad():
-            s.behaviour_logprobs = completion_logprobs(model, s, TEMPERATURE).tolist()
-        seqs.append(s)
-    return seqs
+def make_seqs(model, seed=0) -> list[TrainSequence]:
+    """Real samples of `model` in 2 groups of 3, scored as if sampled at TEMPERATURE (the passes temper)."""
+    return [dataclasses.replace(s, temperature=TEMPERATURE)
+            for s in sample_groups(model, seed=seed, n_groups=2, group_size=3, new_tokens=5)]
 
 
 def normalised(seqs) -> list[float]:
@@ -68,7 +61,7 @@ def prepared_advantages(trainer, seqs) -> tuple[list[torch.Tensor], list[torch.T
 def moved_trainer(tiny_llama_dir, algo):
     """A trainer one plain update away from its initial weights, so that student != behaviour model."""
     trainer = make_trainer(tiny_llama_dir, algo={"drop_non_diverse_groups": False, **algo}, micro_batch_tokens=64)
-    trainer.train_on(Batch(make_seqs(hf_model(tiny_llama_dir), n=4, seed=9), n_mini=1, policy_version=0))
+    trainer.train_on(Batch(make_seqs(hf_model(tiny_llama_dir), seed=9), n_mini=1, policy_version=0))
     return trainer
 
 

@@ -12,8 +12,8 @@ The test reads the sockets the processes actually hold (psutil) while the run is
 server listens on node 3's address only; the trainers' rendezvous store and the weight-update
 group's store listen on the first trainer's (the sender's) node address and are reached there from
 node 3; no process of the run listens on a wildcard address. Then the run must complete its updates,
-each evaluated on a held-out set (run.eval_every: 1, a few problems x k samples): eval/... values
-in [0, 1] on every line, samples graded or ungradable = problems x k.
+each evaluated on a held-out set (run.eval_every: 1, a few problems x k samples), the initial weights
+too (update 0): eval/... values in [0, 1] on every line, samples graded or ungradable = problems x k.
 """
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ def test_two_simulated_nodes_listen_on_their_own_addresses(tmp_path, policy, fre
     run_dir = tmp_path / "run"
     proc = _launch(config)
     deadline = time.time() + 400
-    while len(read_jsonl(run_dir / METRICS_FILE)) < 1:  # after a push: the update groups exist
+    # update 1's line (update 0's comes before any push): after a push, the update groups exist
+    while not any(r["update"] >= 1 for r in read_jsonl(run_dir / METRICS_FILE)):
         assert proc.poll() is None, proc.stdout.read()[-5000:]
         assert time.time() < deadline, "no update in 400 s"
         time.sleep(0.5)
@@ -115,7 +116,7 @@ def test_two_simulated_nodes_listen_on_their_own_addresses(tmp_path, policy, fre
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-5000:]
     rows = read_jsonl(run_dir / METRICS_FILE)
-    assert [r["update"] for r in rows] == [1, 2, 3] and all(r["version"] == r["update"] for r in rows)
+    assert [r["update"] for r in rows] == [0, 1, 2, 3] and all(r["version"] == r["update"] for r in rows)
     for r in rows:  # every update evaluated under its own weights, every sample accounted for
         assert r["eval/version"] == r["update"] and r["eval/off_version"] == 0
         assert r["eval/samples"] + r["eval/ungradable"] == n_eval * k and r["eval/problems"] == n_eval

@@ -116,13 +116,17 @@ def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str
 
 def batch_stats(batch: Batch) -> dict[str, float]:
     """Size of a trained batch and the staleness of its tokens (policy version - the version that
-    sampled each token, as the loss sees it): mean over the batch's tokens and the largest."""
+    sampled each token, as the loss sees it): mean over the batch's tokens and the largest; with routing
+    replay, the bytes of its routed experts."""
     seqs = batch.sequences
     lags = [batch.policy_version - v for s in seqs for v in s.model_versions]
     out = {"batch/sequences": len(seqs), "batch/tokens": sum(s.completion_len for s in seqs),
            "batch/loss_tokens": sum(s.n_loss_tokens for s in seqs)}
     if lags:
         out |= {"batch/staleness_mean": sum(lags) / len(lags), "batch/staleness_max": max(lags)}
+    routes = [len(s.routed_experts.ids) for s in seqs if s.routed_experts is not None]
+    if routes:  # routing replay: host memory the batch's routes take (records.RoutedExperts)
+        out["batch/routed_experts_bytes"] = sum(routes)
     return out
 
 
@@ -135,7 +139,7 @@ def stage_metrics(stage: LengthStage) -> dict[str, int]:
 # trainer values a line carries under their own names: the mismatch (algo.mismatch), the teacher (algo.distill)
 OWN_NAME_PREFIXES = (MISMATCH_PREFIX, DISTILL_PREFIX)
 TRAIN_KEYS = ("loss", "loss_tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
-              "grad_norm", "tokens_per_s", "padding_frac", "is_weight_mean", "is_masked_frac")
+              "grad_norm", "tokens_per_s", "padding_frac", "is_weight_mean", "is_masked_frac", "routing_agreement")
 
 
 def train_values(train_metrics: dict[str, Any]) -> dict[str, Any]:

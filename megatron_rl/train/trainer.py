@@ -116,8 +116,6 @@ class Trainer:
         summary.update(distilled)
         summary["tokens_per_s"] = sum(s["tokens"] for s in steps) / sum(s["step_time_s"] for s in steps)
         summary["loss_tokens"] = sum(s["n_loss_tokens"] for s in steps)  # the update's, over its minibatches
-        if self.config.algo.routing_replay:  # host memory the batch's routes took (records.RoutedExperts)
-            summary["routed_experts_bytes"] = sum(len(s.routed_experts.ids) for s in seqs if s.routed_experts)
         summary.update(version=self.version, step=self.step, steps=steps)
         return summary
 

@@ -85,3 +85,14 @@ def test_routes_survive_a_checkpoint_and_must_cover_the_sequence():
         TrainSequence(list(range(9)), 3, [0.0] * 6, 1.0, routed_experts=record)
     with pytest.raises(ValueError, match="no whole number"):
         RoutedExperts(b"\x00" * 5, 3, 2)
+
+
+def test_metrics_lines_carry_the_routes_bytes_and_the_agreement():
+    from megatron_rl.control.metrics import batch_stats, train_values
+    from megatron_rl.records import Batch
+
+    seqs = [TrainSequence(list(range(9)), 3, [0.0] * 6, 1.0, routed_experts=SHAPE.record(rows(8, 6))),
+            TrainSequence(list(range(5)), 2, [0.0] * 3, -1.0)]
+    assert batch_stats(Batch(seqs, 1, 0))["batch/routed_experts_bytes"] == 8 * 6
+    assert "batch/routed_experts_bytes" not in batch_stats(Batch(seqs[1:], 1, 0))
+    assert train_values({"routing_agreement": 0.98, "other": 1.0}) == {"routing_agreement": 0.98}

@@ -36,9 +36,10 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append(f"no rollout graded in {len(rows)} metrics lines: nothing to summarise")
     rounds = [r for r in rows if "eval/pass@1" in r]  # the held-out evaluation rounds (run.eval_every)
     for r in rounds:
-        lines.append(f"held-out after update {r['update']:3d}: pass@1 {r['eval/pass@1']:.3f}  "
-                     f"pass@4 {r.get('eval/pass@4', float('nan')):.3f}  ({r['eval/problems']} problems, "
-                     f"{r['eval/ungradable']} ungradable)")
+        pass_k = "".join(f"  {k[len('eval/'):]} {v:.3f}" for k, v in r.items()
+                         if k.startswith("eval/pass@") and k != "eval/pass@1")  # k = run.eval_samples
+        lines.append(f"held-out after update {r['update']:3d}: pass@1 {r['eval/pass@1']:.3f}{pass_k}  "
+                     f"({r['eval/problems']} problems, {r['eval/ungradable']} ungradable)")
     if len(rounds) > 1 and all("eval/correct_by_problem" in r for r in (rounds[0], rounds[-1])):
         lines.append(difference_line(rounds[0], rounds[-1]))
     return lines

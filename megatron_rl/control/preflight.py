@@ -68,7 +68,6 @@ def check_model(cfg: Config) -> None:
     from megatron_rl.train.teacher import check_same_vocab
 
     check_precision(cfg.trainer.precision)
-    warn_slow_bf16(cfg)
     sources = [resolve_model(name) for name in (cfg.trainer.model, cfg.algo.teacher) if name is not None]
     for source in sources:
         if not source.gguf_file:  # the shipped GGUF model is a Llama
@@ -117,3 +116,4 @@ def check_code_sandbox(cfg: Config) -> None:
         if not ok:
             raise SandboxUnavailable(f"{cfg.data.path} has {language} code tasks but the code sandbox cannot "
                                      f"run here ({why}); `megatron-rl doctor` checks it")
+    warn_slow_bf16(cfg)  # last: a run refused above needs no advice on its speed

@@ -88,9 +88,7 @@ def test_code_tasks_without_a_sandbox_refuse_to_start(monkeypatch, problem_files
 def test_train_command_refuses_before_launching_any_rank(problem_files, bwrap_dir, tmp_path):
     refuse(bwrap_dir)
     config = tmp_path / "run.yaml"
-    # fp32: bf16 on a CPU without bf16 arithmetic adds its warning line (preflight.warn_slow_bf16)
-    config.write_text(f"trainer:\n  precision: fp32\ndata:\n  source: jsonl\n  path: {problem_files['code']}\n"
-                      f"run:\n  output_dir: {tmp_path / 'run'}\n")
+    config.write_text(f"data:\n  source: jsonl\n  path: {problem_files['code']}\nrun:\n  output_dir: {tmp_path / 'run'}\n")
     env = dict(os.environ, PATH=bwrap_dir, PYTHONPATH=str(ROOT))
     env = {k: v for k, v in env.items() if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")}
     p = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", str(config)], env=env, cwd=tmp_path,

@@ -313,9 +313,14 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
 
 def _schedule(model: list, prepared: PreparedMinibatch, forward_step, forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megatron_rl.train import routing_replay
 
+    # Megatron keeps the aux-loss scale in a class attribute that a backward outside a schedule creates
+    # 0-d and the schedule then copies its [1]-shaped scale into (a shape error): the schedule sets it
+    # for every micro-batch anyway, so it starts unset
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     mbs = prepared.packed.micro_batches
     iters = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
     with routing_replay.replaying(model):

@@ -2,7 +2,7 @@
 padded vocabulary, the student's tokenizer) scores the sampled tokens as HF does, every sampled token's
 advantage is exactly the normalised reward advantage + coef * (teacher - student at the update start),
 distill_only drops the reward part, a teacher equal to the student adds exactly 0, and a teacher with
-another tokenizer is refused naming algo.teacher (tests/e2e/test_train_distill.py: the student moves
+another tokenizer is refused naming algo.teacher (tests/e2e/test_distill_run.py: the student moves
 toward the teacher in a real run)."""
 from __future__ import annotations
 

@@ -107,11 +107,22 @@ def render() -> str:
         cls = hints_root[section.name]
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         parts.append(f"\n## `{section.name}` — {doc}\n\n| key | type | default | meaning |\n|---|---|---|---|")
-        hints, comments = typing.get_type_hints(cls), _comments(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{section.name}.{f.name}"
-            meaning = (comments.get(f.name) or FALLBACK.get(key, "")).replace("|", "\\|")
-            default = _default(f).replace("|", "\\|")
-            type_name = _type_name(hints[f.name]).replace("|", "\\|")
-            parts.append(f"| `{key}` | `{type_name}` | `{default}` | {meaning} |")
+        parts.extend(_rows(cls, section.name))
     return "\n".join(parts) + "\n"
+
+
+def _rows(cls, prefix: str) -> list[str]:
+    """Table rows of the fields of dataclass `cls` under `prefix`; a nested block (trainer.lora) gets
+    one row per key of its own (`trainer.lora.rank`), in place of a row for the block."""
+    rows = []
+    hints, comments = typing.get_type_hints(cls), _comments(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(_rows(hints[f.name], key))
+            continue
+        meaning = (comments.get(f.name) or FALLBACK.get(key, "")).replace("|", "\\|")
+        default = _default(f).replace("|", "\\|")
+        type_name = _type_name(hints[f.name]).replace("|", "\\|")
+        rows.append(f"| `{key}` | `{type_name}` | `{default}` | {meaning} |")
+    return rows

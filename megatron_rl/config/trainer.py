@@ -6,6 +6,39 @@ from typing import Literal
 
 from megatron_rl.config.tree import check
 
+# Megatron's names of the linear layers LoRA can adapt (docs/train.md "LoRA"): the fused q/k/v and the
+# attention output projection, the fused [gate; up] MLP input and the MLP output.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (trainer.lora): frozen base weights, trained low-rank B A (docs/train.md "LoRA")."""
+
+    rank: int = 0  # adapter rank r per projection; 0 = off (full-parameter training)
+    alpha: float = 16.0  # scaling alpha / rank of B A (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input in gradient passes (PEFT's lora_dropout)
+    # Megatron layers to adapt: linear_qkv (= PEFT's q_proj, k_proj, v_proj), linear_proj (o_proj),
+    # linear_fc1 (gate_proj, up_proj), linear_fc2 (down_proj); MoE experts are refused
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def validate(self, key: str) -> None:
+        check(self.rank >= 0, f"{key}.rank", "must be >= 0 (0 = off)")
+        if self.rank == 0:
+            return
+        check(self.alpha > 0, f"{key}.alpha", "must be > 0")
+        check(0 <= self.dropout < 1, f"{key}.dropout", "must lie in [0, 1)")
+        check(bool(self.target_modules), f"{key}.target_modules", "must name at least one module")
+        for i, name in enumerate(self.target_modules):
+            check(name in LORA_TARGETS, f"{key}.target_modules[{i}]",
+                  f"{name!r} matches no module (known: {', '.join(LORA_TARGETS)})")
+        check(len(set(self.target_modules)) == len(self.target_modules), f"{key}.target_modules",
+              "names a module twice")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
 
 @dataclass
 class TrainerConfig:
@@ -58,6 +91,7 @@ class TrainerConfig:
     expert_parallel: int = 1
     # MoE router load-balancing (aux) loss coefficient added to the policy loss; 0 = off (docs/train.md).
     moe_aux_loss_coef: float = 0.0
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full-parameter training
 
     def validate(self, key: str) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "context_parallel", "expert_parallel"):
@@ -80,3 +114,4 @@ class TrainerConfig:
         check(self.recompute in ("none", "selective", "full"), f"{key}.recompute", "must be none, selective or full")
         check(self.recompute_method in ("uniform", "block"), f"{key}.recompute_method", "must be uniform or block")
         check(self.recompute_num_layers >= 1, f"{key}.recompute_num_layers", "must be >= 1")
+        self.lora.validate(f"{key}.lora")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .lora import is_adapter_param, merged_weight
 from .model import ModelDims, layer_offset
 from .moe import ep_size_rank, expert_hf_name, router_hf_name, shared_expert_hf_name
 
@@ -191,6 +192,8 @@ def load_hf_weights(model_chunks: list, hf_tensors) -> None:
         dims: ModelDims = chunk.mrl_dims
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
+            if is_adapter_param(name):  # LoRA adapters are no HF tensors: lora.attach initialised them
+                continue
             kind, dim, layer = _classify(name, offset)
             kind = _expert_kind(kind, dims, ep_rank, ep)
             shard = _shard(kind, dim, _full_megatron(kind, layer, get, dims), tp, rank)
@@ -263,21 +266,28 @@ def _to_hf(kind: str, layer: int | None, full: torch.Tensor, d: ModelDims) -> li
 
 @torch.no_grad()
 def export_hf_tensors(model_chunks: list, dtype: torch.dtype | None = None,
-                      grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                      grads: bool = False, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for this stage's parameters, TP-gathered, padding removed.
 
     `grads=True` exports the parameters' `.grad` (or DDP `main_grad`) in the same layout instead
-    (zeros where a parameter has none), for gradient checks against HF."""
+    (zeros where a parameter has none), for gradient checks against HF. With LoRA adapters
+    (train/lora.py) an adapted weight is exported merged, W + scale * B A (each TP shard merges its own
+    rows / columns: exact), unless `merge_lora=False`; the adapters themselves are never yielded
+    (`lora_weights.export_adapter_tensors` does that, in PEFT's names)."""
     tp, _ = _tp()
     ep, _ = ep_size_rank()
     for chunk in model_chunks:
         dims: ModelDims = chunk.mrl_dims
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
+            if is_adapter_param(name):
+                continue
             kind, dim, layer = _classify(name, offset)
             if kind == "output" and dims.tie_embeddings:
                 continue  # the last stage's copy of the tied embedding: the first stage exports it
             local = param.detach()
+            if merge_lora and not grads and getattr(chunk, "mrl_lora", None) and name.endswith(".weight"):
+                local = merged_weight(chunk.get_submodule(name.rsplit(".", 1)[0]), local)
             if grads:
                 g = getattr(param, "main_grad", None)
                 g = param.grad if g is None else g
@@ -309,6 +319,8 @@ def hf_names_of_stage(model_chunks: list) -> list[str]:
         dims: ModelDims = chunk.mrl_dims
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
+            if is_adapter_param(name):
+                continue
             kind, _, layer = _classify(name, offset)
             if kind == "output" and dims.tie_embeddings:
                 continue

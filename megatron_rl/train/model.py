@@ -337,10 +337,12 @@ def layer_spec(use_te: bool | None = None, segment_attention: bool = True, qk_no
 
 def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
                 use_te: bool | None = None, recompute: Recompute | None = None,
-                router_aux_loss: float = 0.0, per_token_loss: bool = False, routing_replay: bool = False) -> list:
+                router_aux_loss: float = 0.0, per_token_loss: bool = False, routing_replay: bool = False,
+                lora=None, lora_seed: int = 0) -> list:
     """This rank's GPTModel chunks for `layout` (init_parallel(layout) must have run). `routing_replay`:
     the MoE routers replay the experts micro-batches carry (train.routing_replay; ValueError naming
-    algo.routing_replay for a dense model)."""
+    algo.routing_replay for a dense model). `lora` (a `lora.LoraSpec`): the base weights are frozen and
+    the targeted layers get adapters initialised from `lora_seed` (train/lora.py; `chunk.mrl_lora`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -356,6 +358,10 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
         raise ValueError(f"algo.routing_replay needs an MoE model; {getattr(hf_config, 'model_type', '?')} is dense")
     if use_te is None:
         use_te = te_available()
+    if lora is not None:  # refused before any chunk is built: one line naming the key
+        from megatron_rl.train import lora as lora_adapters
+
+        lora_adapters.check_model(lora, dims, use_te, (recompute or Recompute()).granularity)
     config = transformer_config(dims, layout, dtype, use_te=use_te, recompute=recompute,
                                 router_aux_loss=router_aux_loss, per_token_loss=per_token_loss)
     spec = layer_spec(use_te, qk_norm=dims.qk_norm, num_experts=dims.moe.num_experts if dims.moe else None)
@@ -381,6 +387,9 @@ def build_model(hf_config, layout: ParallelLayout, dtype: torch.dtype = torch.fl
             chunk.cuda(torch.cuda.current_device())
         chunk.mrl_dims = dims
         chunk.mrl_vp_stage = vp_stage
+        chunk.mrl_lora = None
+        if lora is not None:  # before DDP / Float16Module wrap the chunk: they read requires_grad
+            lora_adapters.attach(chunk, lora, lora_seed)
         if dims.moe:  # before DDP wraps the chunk: it groups the grads by this mark
             reduce_expert_grads_over_expert_dp(chunk)
         if routing_replay:

@@ -30,10 +30,18 @@ PENDING: set[str] = set()
 
 
 def config_keys(root: type) -> list[str]:
-    """`section.name` for every field of every section dataclass of `root`."""
+    """`section.name` for every field of every section dataclass of `root`; a block nested in a section
+    (trainer.lora) gives its own keys (`trainer.lora.rank`), the block name itself being read with them."""
+    def keys(cls: type, prefix: str) -> list[str]:
+        hints = typing.get_type_hints(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            nested = dataclasses.is_dataclass(hints[f.name])
+            out += keys(hints[f.name], f"{prefix}.{f.name}") if nested else [f"{prefix}.{f.name}"]
+        return out
+
     hints = typing.get_type_hints(root)
-    return [f"{section.name}.{f.name}" for section in dataclasses.fields(root)
-            for f in dataclasses.fields(hints[section.name])]
+    return [k for section in dataclasses.fields(root) for k in keys(hints[section.name], section.name)]
 
 
 def _base_name(node: ast.AST) -> str:
@@ -72,7 +80,7 @@ def unread_keys(root: type, sources: dict[str, str]) -> list[str]:
     read: set[str] = set()
     for filename, text in sources.items():
         read |= names_read(text, filename)
-    return [key for key in config_keys(root) if key.split(".", 1)[1] not in read]
+    return [key for key in config_keys(root) if key.rsplit(".", 1)[1] not in read]
 
 
 def run_sources() -> dict[str, str]:

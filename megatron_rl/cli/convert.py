@@ -1,4 +1,5 @@
-"""`megatron-rl convert {to-megatron,to-hf} SRC OUT [--tp N --pp N]`: HF <-> Megatron dist checkpoints.
+"""`megatron-rl convert {to-megatron,to-hf} SRC OUT [--tp N --pp N] [--peft-adapter DIR]`: HF <-> Megatron
+dist checkpoints (a LoRA run's exports merged, and as a PEFT adapter folder with --peft-adapter).
 
 Launch under torchrun (or srun) with TP*PP*DP processes for a sharded layout; a plain process is a
 world of one. See megatron_rl.train.convert for what bounds memory.
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("out", help="HF directory to write (safetensors shards, index, config, tokenizer)")
     b.add_argument("--hf-config", default=None,
                    help="HF config source (model dir/name); default: hf_config/ next to the checkpoint")
+    b.add_argument("--peft-adapter", default=None, metavar="DIR",
+                   help="a LoRA run's checkpoint (trainer.lora): also write its adapters as an HF PEFT adapter "
+                        "folder (adapter_config.json + adapter_model.safetensors); OUT gets the merged model")
     b.add_argument("--max-shard-mb", type=int, default=2048, help="size of each safetensors shard")
     b.add_argument("--verify", choices=["checksum", "size"], default="checksum",
                    help="check the checkpoint's files against its manifest: CRC32 of every file (default), "
@@ -57,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
                 raise ValueError("--max-shard-mb must be >= 1")
             r = megatron_to_hf(args.checkpoint, args.out, layout, hf_config=args.hf_config, dtype=args.dtype,
                                max_shard_bytes=args.max_shard_mb << 20, backend=args.backend,
-                               verify=args.verify)
+                               verify=args.verify, peft_dir=args.peft_adapter)
     except (ConversionError, CheckpointError, FileNotFoundError, ValueError) as e:
         log.error("%s", e)
         return 1

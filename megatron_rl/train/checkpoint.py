@@ -62,7 +62,10 @@ DIMS_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_hea
 # Megatron parameters whose global shape depends on the TP padding (train/model.py).
 _PADDED = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
            "self_attention.linear_proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
-           "embedding.word_embeddings.weight", "output_layer.weight")
+           "embedding.word_embeddings.weight", "output_layer.weight",
+           # LoRA adapters (train/lora.py) split like their weight: B of column layers, A of row layers
+           "self_attention.linear_qkv.lora_B", "self_attention.linear_proj.lora_A", "mlp.linear_fc1.lora_B",
+           "mlp.linear_fc2.lora_A")
 
 
 # ---------------------------------------------------------------- what goes into a checkpoint
@@ -132,6 +135,28 @@ def _dims_record(model: list) -> dict[str, Any]:
         raise CheckpointError("the model chunks carry no `mrl_dims` (build them with train.model.build_model)")
     record = dataclasses.asdict(dims)
     return {k: record[k] for k in DIMS_FIELDS}
+
+
+def _lora_record(model: list) -> dict[str, Any] | None:
+    """The LoRA adapters the (possibly wrapped) chunks carry (train/lora.py), as plain values; None without."""
+    chunk = model[0]
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    spec = getattr(chunk, "mrl_lora", None)
+    return spec.record() if spec is not None else None
+
+
+def _check_same_lora(ckpt: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+    # Megatron loads only the keys it is asked for: adapters of another rank or set of modules, or none
+    # where the model has some, would otherwise load partly or be left at their initial values silently.
+    def same(r):  # dropout may change between runs: it is no part of the adapters' shapes or values
+        return None if r is None else (r["rank"], r["alpha"], tuple(r["targets"]))
+
+    if same(saved) != same(now):
+        def say(r):
+            return "none" if r is None else f"rank {r['rank']}, alpha {r['alpha']}, targets {','.join(r['targets'])}"
+        raise CheckpointError(f"{ckpt} holds other LoRA adapters (trainer.lora) than the model being loaded: "
+                              f"{say(saved)} in the checkpoint, {say(now)} in the model")
 
 
 def _check_same_model(ckpt: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -241,6 +266,7 @@ def save_checkpoint(root: str | Path, model: list, optimizer, layout, step: int,
                            version=FORMAT_VERSION, optimizer_format=optimizer_format, reference=reference)
     state.update(step=int(step), extra_json=extra_json, layout=_layout_now(layout), has_optimizer=has_opt,
                  format_version=FORMAT_VERSION, optimizer_format=optimizer_format, model_dims=dims,
+                 lora=_lora_record(model),
                  has_reference=reference is not None, has_manifest=True,
                  iteration=int(step), checkpoint_version=MEGATRON_CHECKPOINT_VERSION)
     dist_checkpointing.save(state, str(tmp))
@@ -296,7 +322,8 @@ def read_common(path: str | Path) -> dict[str, Any]:
                 "extra": json.loads(common["extra_json"]), "has_optimizer": bool(common["has_optimizer"]),
                 "format_version": int(version),
                 "optimizer_format": common.get("optimizer_format", "dp_reshardable"),  # v1: dp_reshardable
-                "model_dims": common.get("model_dims"), "has_reference": bool(common.get("has_reference", False))}
+                "model_dims": common.get("model_dims"), "has_reference": bool(common.get("has_reference", False)),
+                "lora": common.get("lora")}  # checkpoints from before LoRA: none
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"damaged checkpoint {ckpt}: common.pt lacks or garbles a field "
                               f"({describe(e)})") from e
@@ -314,6 +341,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, layout, load_optim
     ckpt: Path = meta["path"]
     saved, version, fmt = meta["layout"], meta["format_version"], meta["optimizer_format"]
     dims = _dims_record(model)
+    _check_same_lora(ckpt, meta["lora"], _lora_record(model))
     if version >= 2:
         _check_same_model(ckpt, meta["model_dims"] or {}, dims)
     else:

@@ -10,13 +10,14 @@ TP*PP > 1; a plain process is a world of one). The layout of the job decides the
   TP/PP on load). The HF config and tokenizer are copied to `root/hf_config/` so that the reverse
   conversion needs nothing else. A folder that already holds checkpoints (a tracker file,
   `iter_*`: a run's) is refused unless `force=True`: the conversion would move its tracker to step 0.
-- `megatron_to_hf(checkpoint, out_dir, layout)`: checks the checkpoint's files against its manifest
+- `megatron_to_hf(checkpoint, out_dir, layout, peft_dir=None)`: checks the checkpoint's files against its manifest
   (`verify`: "checksum" or "size"; a damaged file is a CheckpointError naming it, before anything
   is read), loads it (a converted one or a trainer checkpoint) at the job's layout — `train.checkpoint` reshards TP, PP and DP, TP padding
   included, and refuses a checkpoint of another model than the HF config describes — then streams
   `export_hf_tensors` (TP-gathered, padding removed, one tensor at a time) into safetensors
   shards written by TP rank 0 / DP rank 0 of every pipeline stage (`hf_writer.ShardWriter`).
-  Rank 0 names the files and writes the index, config and tokenizer.
+  Rank 0 names the files and writes the index, config and tokenizer. A LoRA run's checkpoint
+  (train/lora.py) exports merged weights, and with `peft_dir` also an HF PEFT adapter folder.
 
 Memory per rank: its model shard (1 / (TP*PP) of the model) plus, transiently, one HF tensor
 (q/k/v: three, while they are fused) on the way in; on the way out, one gathered full tensor plus
@@ -192,13 +193,19 @@ def _export_bytes(chunks, dtype: torch.dtype) -> int:
 def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: ParallelLayout = ParallelLayout(dp=0),
                    hf_config: str | Path | None = None, dtype: str | None = None,
                    max_shard_bytes: int = 2 << 30, backend: str | None = None,
-                   verify: str = "checksum") -> ConvertResult:
+                   verify: str = "checksum", peft_dir: str | Path | None = None) -> ConvertResult:
     """Collective: dist checkpoint (root or step dir), checked against its manifest (`verify`:
-    "checksum" or "size"), -> HF directory `out_dir`."""
+    "checksum" or "size"), -> HF directory `out_dir`. A checkpoint of a LoRA run (trainer.lora) is
+    exported merged (W + alpha/r B A per adapted weight: a plain HF model); `peft_dir` also writes its
+    adapters as an HF PEFT adapter folder (adapter_config.json + adapter_model.safetensors) for
+    `peft.PeftModel.from_pretrained(base, peft_dir)` on the base model it was trained from."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, verify_checkpoint
+    from megatron_rl.train.checkpoint import (CheckpointError, load_checkpoint, read_common, resolve_checkpoint,
+                                              verify_checkpoint)
     from megatron_rl.train.hf_weights import export_hf_tensors
+    from megatron_rl.train.lora import LoraSpec
+    from megatron_rl.train.lora_weights import write_peft_adapter
     from megatron_rl.train.model import build_model
 
     from .hf_writer import ShardWriter, finalize_index
@@ -211,7 +218,14 @@ def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: Parallel
     src = find_hf_config(ckpt, hf_config)
     config = _plain_config(src.config())
     stored = checkpoint_dtype(ckpt)
-    chunks = build_model(config, layout, stored)  # same dtype as stored: loading is a plain copy
+    saved_lora = read_common(ckpt)["lora"]
+    lora = (LoraSpec(saved_lora["rank"], saved_lora["alpha"], saved_lora["dropout"], tuple(saved_lora["targets"]))
+            if saved_lora else None)
+    if peft_dir is not None and lora is None:
+        raise ConversionError(f"{ckpt} holds no LoRA adapters (its run had trainer.lora.rank 0): no PEFT adapter "
+                              "folder to write")
+    # same dtype as stored: loading is a plain copy; LoRA runs use the local layer spec (lora.check_model)
+    chunks = build_model(config, layout, stored, lora=lora, use_te=False if lora else None)
     try:  # reshards into this layout, TP padding included; refuses a checkpoint of another model
         load_checkpoint(ckpt, chunks, None, layout, load_optimizer=False, verify="verified")
     except CheckpointError as e:
@@ -259,4 +273,8 @@ def megatron_to_hf(checkpoint: str | Path, out_dir: str | Path, layout: Parallel
             {"checkpoint": str(ckpt), "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
              "dtype": str(out_dtype).removeprefix("torch.")}, indent=2))
     _barrier()
+    if peft_dir is not None:  # collective: every stage's adapters, TP-gathered, reach rank 0
+        write_peft_adapter(chunks, peft_dir, str(hf_config if hf_config is not None else src.path),
+                           dtype=out_dtype)
+        _barrier()
     return ConvertResult(out, layout, n, tuple(files), peak)

@@ -16,7 +16,9 @@ class ReferencePolicy:
     def __init__(self, policy_chunks: list, hf_config, layout, dtype: torch.dtype):
         from megatron_rl.train.model import build_model
 
-        self.chunks = build_model(hf_config, layout, dtype)
+        # the policy's LoRA adapters too (lora.attach): its state dict, copied below, holds them. They
+        # start at B = 0, so the initial reference is the base model
+        self.chunks = build_model(hf_config, layout, dtype, lora=getattr(policy_chunks[0], "mrl_lora", None))
         for chunk in self.chunks:
             chunk.requires_grad_(False)
             chunk.eval()

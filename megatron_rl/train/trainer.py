@@ -26,6 +26,7 @@ from megatron_rl.config import Config
 from megatron_rl.records import Batch, TrainSequence
 from megatron_rl.train import checkpoint as ckpt
 from megatron_rl.train.device import model_device
+from megatron_rl.train.lora import LoraSpec
 from megatron_rl.train.optimizer import build_optimizer, precision_dtype, set_lr, wrap_model
 from megatron_rl.train.parallel import ParallelLayout, init_parallel
 from megatron_rl.train.reference import ReferencePolicy
@@ -63,9 +64,12 @@ class Trainer:
             source = resolve_model(t.model)
             hf_config = hf_config or source.config()
         self.hf_config = hf_config
+        # trainer.lora: frozen base, adapters the only trainable parameters (train/lora.py), so DDP and
+        # the optimizer below hold gradients and Adam state for the adapters alone
         chunks = build_model(hf_config, self.layout, precision_dtype(t), recompute=Recompute.from_trainer(t),
                              router_aux_loss=t.moe_aux_loss_coef, per_token_loss=True,
-                             routing_replay=config.algo.routing_replay)
+                             routing_replay=config.algo.routing_replay,
+                             lora=LoraSpec.from_config(t.lora), lora_seed=t.seed)
         if load_weights:
             from megatron_rl.train.hf_weights import load_hf_weights
 

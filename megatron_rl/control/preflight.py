@@ -61,7 +61,8 @@ def check_model(cfg: Config) -> None:
     """ModelUnavailable (one line) when trainer.model or algo.teacher cannot be found here (no downloads)
     or is of a family the trainer does not build (the supported ones are listed); ConfigError when
     trainer.precision has no attention under the layer spec this machine gives the trainers, when the
-    teacher's tokenizer is not the student's, or when algo.routing_replay is on for a dense model."""
+    teacher's tokenizer is not the student's, when algo.routing_replay is on for a dense model, or when
+    trainer.lora does not fit the model (check_lora)."""
     from megatron_rl.train.hf_cache import check_family
     from megatron_rl.train.hf_source import resolve_model
     from megatron_rl.train.model import check_precision
@@ -76,6 +77,20 @@ def check_model(cfg: Config) -> None:
         check_routing_replay(sources[0])
     if cfg.algo.teacher is not None:
         check_same_vocab(sources[0].tokenizer(), sources[1].tokenizer(), cfg.algo.teacher)
+    if cfg.trainer.lora.rank:
+        check_lora(cfg, sources[0])
+
+
+def check_lora(cfg: Config, source) -> None:
+    """ConfigError naming the trainer.lora key when the model or this machine's layer spec cannot take the
+    adapters (a rank larger than a projection, MoE experts, Transformer Engine, dropout under full
+    recompute): refused before any rank starts, as the trainers would refuse it (train/lora.py)."""
+    from megatron_rl.platform import te_available
+    from megatron_rl.train.lora import LoraSpec, check_model as check_lora_model
+    from megatron_rl.train.model import model_dims
+
+    dims = model_dims(source.config(), cfg.trainer.tensor_parallel)
+    check_lora_model(LoraSpec.from_config(cfg.trainer.lora), dims, te_available(), cfg.trainer.recompute)
 
 
 def check_routing_replay(source) -> None:

@@ -67,11 +67,19 @@ def worker(root: Path, world: int) -> None:
         trainer.optimizer.step = capturing_step
         metrics = trainer.train_on(Batch(seqs, n_mini=1, policy_version=0))
         after = {n: t.clone() for n, t in export_adapter_tensors(trainer.model_chunks)}
+        if name == "tp2":  # resharded below into the one-process layout (TP padding differs: 4 vs 3 KV groups)
+            trainer.save(root / "ckpt_tp2")
         torch.save({"metrics": {k: v for k, v in metrics.items() if isinstance(v, float)},
                     "grads": {} if keys.get("distributed_optimizer") else captured["grads"], "after": after,
                     "trainable": sorted(n for c in trainer.model_chunks for n, p in c.named_parameters()
                                         if p.requires_grad)},
                    root / f"{name}.rank{dist.get_rank()}.pt")
+        destroy_parallel()
+    if world == 1:  # the TP=2 checkpoint, adapters and their Adam state, loaded at TP=1
+        trainer = Trainer(_config(spec["model_dir"]))
+        trainer.load(root / "ckpt_tp2")
+        torch.save({"after": {n: t.clone() for n, t in export_adapter_tensors(trainer.model_chunks)},
+                    "optimizer_loaded": trainer.last_load.optimizer_loaded}, root / "resharded.pt")
         destroy_parallel()
     print("WORKER OK", flush=True)
 
@@ -106,8 +114,8 @@ def test_lora_step_is_the_same_at_tp2_sp_pp2_dp2_as_one_process(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(
         {"model_dir": str(tiny_llama_dir), "seqs": [dataclasses.asdict(s) for s in seqs]}))
     env = {"CUDA_VISIBLE_DEVICES": ""}
-    run_ranks(1, __file__, tmp_path, 1, env=env)
     run_ranks(2, __file__, tmp_path, 2, env=env)
+    run_ranks(1, __file__, tmp_path, 1, env=env)
 
     got = {name: [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in range(size)]
            for name, (size, _) in CASES.items()}
@@ -138,6 +146,11 @@ def test_lora_step_is_the_same_at_tp2_sp_pp2_dp2_as_one_process(tmp_path):
                          step=1, grad_clip=1e6, n_terms=301)
     for r in got["dp2_distopt"]:
         assert misses(r["after"], dp2["after"], tol) == {}
+    # checkpoints reshard the adapters (TP=2 -> 1, padded rows / columns dropped) bit for bit
+    resharded = torch.load(tmp_path / "resharded.pt", weights_only=False)
+    assert resharded["optimizer_loaded"] and resharded["after"].keys() == got["tp2"][0]["after"].keys()
+    for n, t in resharded["after"].items():
+        assert torch.equal(t, got["tp2"][0]["after"][n]), n
 
 
 if __name__ == "__main__":

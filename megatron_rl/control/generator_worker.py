@@ -22,6 +22,10 @@ from megatron_rl.sync.generator_side import answer, status_of
 from megatron_rl.train.hf_source import resolve_model
 
 
+# The generator computes in the trainer's precision, so that lag-0 mismatch measures kernels, not dtypes.
+SERVING_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
                 gpus: tuple[int, ...] = ()) -> ServerSpec:
     g = cfg.generator
@@ -29,7 +33,8 @@ def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: in
     return ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
-                      extra_args=list(g.extra_args) + replay, tp_size=g.tp_size, host=host, gpu_ids=gpus)
+                      extra_args=list(g.extra_args) + replay, tp_size=g.tp_size, host=host, gpu_ids=gpus,
+                      dtype=SERVING_DTYPE[cfg.trainer.precision])
 
 
 def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,

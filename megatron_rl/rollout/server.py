@@ -9,6 +9,7 @@ is always passed (an idle server otherwise busy-polls a core that trainers need)
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,10 @@ class ServerSpec:
     # per-token versions are exact; turn on for throughput when off-by-one tags are acceptable.
     overlap_schedule: bool = False
     host: str = HOST  # the address to listen on and to be reached at (never a wildcard: see node.py)
+    # What the server computes in (float32, bfloat16, float16); None: the checkpoint's own dtype. Always
+    # passed as --dtype, because SGLang's default ("auto") serves a float32 checkpoint in float16:
+    # logits ~1e-2 off fp32, which the lag-0 mismatch then reports as trainer/generator disagreement.
+    dtype: str | None = None
     tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
     gpu_ids: tuple[int, ...] = ()  # its node-local GPUs, consecutive, one per TP rank (--base-gpu-id); () = SGLang's
 
@@ -74,11 +79,24 @@ class ServerSpec:
             cmd += ["--base-gpu-id", str(self.gpu_ids[0])]
         if not self.overlap_schedule:
             cmd += ["--disable-overlap-schedule"]
+        if "--dtype" not in self.extra_args:
+            cmd += ["--dtype", self.dtype or checkpoint_dtype(self.model_path)]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.tp_size > 1:
             cmd += ["--tp-size", str(self.tp_size)]
         return cmd + list(self.extra_args)
+
+
+def checkpoint_dtype(model_path: str | Path) -> str:
+    """The dtype an HF model directory's config.json names (`dtype`, or the older `torch_dtype`);
+    float32 when it names none, as SGLang and transformers assume."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype") or "float32"
+    return str(dtype).removeprefix("torch.")
 
 
 def model_bytes(model_path: str | Path) -> int:

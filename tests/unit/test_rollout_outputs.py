@@ -91,3 +91,28 @@ def test_server_command_is_loopback_with_required_flags(tmp_path):
     assert cmd[cmd.index("--max-total-tokens") + 1] == "4096"
     assert "--sleep-on-idle" in cmd and "--disable-overlap-schedule" in cmd
     assert cmd[cmd.index("--weight-version") + 1] == "0"
+
+
+@pytest.mark.parametrize("config,expected", [({"dtype": "float32"}, "float32"), ({"torch_dtype": "bfloat16"}, "bfloat16"),
+                                             ({}, "float32")])
+def test_the_server_computes_in_the_checkpoints_dtype_not_sglangs_auto(tmp_path, config, expected):
+    """SGLang's --dtype auto serves a float32 checkpoint in float16; the command always names the dtype."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cmd = ServerSpec(str(tmp_path), 31234).command()
+    assert cmd[cmd.index("--dtype") + 1] == expected
+    assert ServerSpec(str(tmp_path), 1, dtype="bfloat16").command().count("--dtype") == 1
+    theirs = ServerSpec(str(tmp_path), 1, extra_args=["--dtype", "float16"]).command()
+    assert theirs.count("--dtype") == 1 and theirs[theirs.index("--dtype") + 1] == "float16"
+
+
+@pytest.mark.parametrize("precision,expected", [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_a_runs_generators_compute_in_the_trainers_precision(tmp_path, precision, expected):
+    from megatron_rl.config import Config
+    from megatron_rl.control.generator_worker import server_spec
+
+    cfg = Config()
+    cfg.trainer.precision = precision
+    cmd = server_spec(cfg, 0, str(tmp_path), tmp_path, 30000, "127.0.0.1").command()
+    assert cmd[cmd.index("--dtype") + 1] == expected

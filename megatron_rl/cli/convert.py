@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="HF config source (model dir/name); default: hf_config/ next to the checkpoint")
     b.add_argument("--peft-adapter", default=None, metavar="DIR",
                    help="a LoRA run's checkpoint (trainer.lora): also write its adapters as an HF PEFT adapter "
-                        "folder (adapter_config.json + adapter_model.safetensors); OUT gets the merged model")
+                        "folder (adapter_config.json + adapter_model.safetensors); OUT gets the merged model "
+                        "(default: none, only the merged model)")
     b.add_argument("--max-shard-mb", type=int, default=2048, help="size of each safetensors shard")
     b.add_argument("--verify", choices=["checksum", "size"], default="checksum",
                    help="check the checkpoint's files against its manifest: CRC32 of every file (default), "

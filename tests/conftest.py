@@ -1,4 +1,5 @@
-"""Shared pytest setup: markers by folder, GPU skips, small offline models, free loopback ports."""
+"""Shared pytest setup: markers by folder, GPU skips, the long tier, small offline models, free loopback
+ports."""
 from __future__ import annotations
 
 import os
@@ -14,18 +15,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _FOLDER_MARKERS = {"unit": "unit", "multiproc": "multiproc", "e2e": "e2e"}
+LONG_SKIP = "long tier (minutes of whole-system run): ./dev test --long, or name its file"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", help="also run the tests marked long (the whole tier)")
+
+
+def named_files(config) -> set[Path]:
+    """Test files named on the command line: their long tests run without --long."""
+    return {Path(a.split("::")[0]).resolve() for a in config.args if a.split("::")[0].endswith(".py")}
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
     has_cuda = torch.cuda.is_available()
+    run_long = config.getoption("--long") or os.environ.get("MEGATRON_RL_LONG") == "1"
+    named = named_files(config)
     for item in items:
         parts = Path(str(item.fspath)).relative_to(ROOT / "tests").parts
         if parts and parts[0] in _FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS[parts[0]]))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none on this machine"))
+        if "long" in item.keywords and not run_long and Path(str(item.fspath)).resolve() not in named:
+            item.add_marker(pytest.mark.skip(reason=LONG_SKIP))
 
 
 @pytest.fixture(scope="session")

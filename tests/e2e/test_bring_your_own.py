@@ -16,7 +16,7 @@ import pytest
 from support.hf_cache import cache_model
 from support.runs import train_to_the_end
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(900)]
 PLUGINS = Path(__file__).resolve().parents[1] / "support" / "reward_plugins.py"
 
 

@@ -24,7 +24,7 @@ from support.models import make_tiny_llama
 from support.policies import hf_model
 from support.runs import train_to_the_end
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(600)]
 PLUGINS = Path(__file__).resolve().parents[1] / "support" / "reward_plugins.py"
 MAX_NEW = 32  # rollout.max_new_tokens
 

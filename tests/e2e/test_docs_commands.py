@@ -36,7 +36,7 @@ SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s+(.+?)\s*-->\s*$")
 FILE_NAME = re.compile(r"#\s+([\w.-]+\.(?:py|yaml|yml|json|jsonl|txt|toml))\s*$")
 LOG_TIME = re.compile(r"^\d\d:\d\d:\d\d ")
 
-pytestmark = pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)]
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ def test_a_small_evaluation_shows_progress_and_prints_the_summary(tmp_path, tiny
     assert " tokens, " in last and " tok/s, at most " in last, p.stderr[-3000:]
 
 
+@pytest.mark.long
 def test_a_silent_server_ends_the_evaluation_with_one_line_naming_the_setting(tmp_path, tiny_llama_dir):
     p = _evaluate(tmp_path, tiny_llama_dir, "generator.request_idle_timeout_s=0.001")
     assert p.returncode == 1, p.stderr[-3000:]

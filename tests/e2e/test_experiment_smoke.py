@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]  # ~2 min on an idle machine
+pytestmark = [pytest.mark.long, pytest.mark.e2e, pytest.mark.timeout(1200)]  # ~2 min on an idle machine
 
 # the tiny model and a format-only reward (as tests/e2e/test_train_loop.py), smaller batches
 TINY = ["trainer.lr=5e-4", "trainer.micro_batch_tokens=1024", "rollout.n_async=16", "rollout.n_batch=8",

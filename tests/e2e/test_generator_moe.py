@@ -32,7 +32,7 @@ from support.runs import running_generator
 from support.train_models import make_served_tiny_moe
 from test_generator import PROMPTS, assert_matches_hf
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.long, pytest.mark.e2e]
 
 EXPERTS = 4
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")

@@ -27,7 +27,7 @@ from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.data import read_jsonl as read_problems
 from support.runs import controller_state, launch_train
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.long, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 G, N_BATCH, UPDATES, CHECKPOINT_EVERY = 4, 16, 10, 2  # four kills, each past a later checkpoint: 2, 4, 6, 8
 

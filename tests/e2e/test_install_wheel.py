@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.long, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("megatron_rl", "csrc", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")

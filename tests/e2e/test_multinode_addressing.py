@@ -29,7 +29,7 @@ from megatron_rl.cli.train import _mpiexec
 from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from test_train_loop import _config, policy  # noqa: F401  (the tiny policy fixture and its run config)
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(600)]
 
 NODES = {0: ("127.0.0.2", 0), 1: ("127.0.0.2", 1), 2: ("127.0.0.3", 0), 3: ("127.0.0.3", 1)}
 WILDCARDS = {"0.0.0.0", "::"}

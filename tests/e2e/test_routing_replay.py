@@ -20,7 +20,7 @@ from megatron_rl.rollout.routing import SERVER_FLAG, RoutingShape
 from support.runs import running_generator
 from support.train_models import make_served_tiny_moe
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.long, pytest.mark.e2e]
 
 EXPERTS, TOPK, LAYERS = 32, 4, 2
 PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 11, 12], [1, 60, 61, 5, 5, 80], [1, 33, 200, 17]]

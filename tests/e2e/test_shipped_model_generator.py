@@ -15,7 +15,7 @@ from megatron_rl.control.model_files import generator_model_dir
 from megatron_rl.train.hf_source import resolve_model
 from support.runs import running_generator
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(900)]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 
 

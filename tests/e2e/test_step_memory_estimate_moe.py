@@ -22,8 +22,12 @@ estimated (+2.0 %), full 104.5 MB vs 120.8 MB (-13.4 %).
 """
 import dataclasses
 
+import pytest
+
 from megatron_rl.plan.estimate import Shapes, activation_memory
 from megatron_rl.plan.step_memory import measure
+
+pytestmark = pytest.mark.long
 
 MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, num_local_experts=8,

@@ -14,7 +14,7 @@ import yaml
 from megatron_rl.data.synthetic import addition_problems
 from support.runs import launch_train
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(900)]
 
 
 def _finished(proc: subprocess.Popen, timeout_s: float = 780) -> str:

@@ -84,6 +84,7 @@ def _checkpoint_holding_episodes(run_dir: Path, after: int) -> dict | None:
     return state if state["episodes"] else None
 
 
+@pytest.mark.long
 def test_episodes_in_flight_continue_after_a_kill_9_and_a_sigterm_and_each_group_trains_once(
         tmp_path, tiny_llama_dir, free_port):
     """Slow 4-turn episodes (0.3 s a step) so checkpoints catch many between turns. kill -9 of the

@@ -14,6 +14,8 @@ import pytest
 from megatron_rl.records import Batch
 from support.policies import exact_token_kl, hf_model, hf_policy, make_trainer, sample_groups
 
+pytestmark = pytest.mark.long
+
 
 def _kl_after_training(model_dir, mode: str, coef: float, updates=14) -> float:
     """RL updates on the policy's own samples; then the exact per-token KL to the initial weights on

@@ -24,7 +24,7 @@ from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from support.metric_logs import assert_same, jsonl_numbers, tensorboard_scalars
 from support.runs import assert_every_prompt_accounted_once, controller_state, launch_train
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,7 @@ def worker(root: Path, name: str) -> None:
     print("WORKER OK", flush=True)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)  # three launches (1 + 4 + 4 processes): 16 min on 2 cores shared with an experiment
 def test_tp2_cp2_equals_one_process(tiny_llama_dir, tmp_path):
     from multiproc.test_train_context_parallel import _minibatch

@@ -24,12 +24,15 @@ def _optimizer_numel(optimizer) -> int:
     return sum(p.numel() for o in opts for g in o.param_groups for p in g["params"])
 
 
-def test_a_lora_config_trains_only_the_adapters(tiny_llama_dir):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_lora_config_trains_only_the_adapters(tiny_llama_dir, precision):
     from megatron_rl.train.trainer import Trainer
 
     hf = hf_model(tiny_llama_dir)
-    trainer = Trainer(make_config(tiny_llama_dir, lora=LORA, lr=1e-2))
+    trainer = Trainer(make_config(tiny_llama_dir, lora=LORA, lr=1e-2, precision=precision))
     chunk = trainer.model_chunks[0]
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert {p.dtype for p in chunk.parameters()} == {want}  # the frozen base stays in the compute dtype
     adapters = {n for n, p in chunk.named_parameters() if p.requires_grad}
     # 2 layers x 4 targets x (A, B), and nothing else trainable
     assert len(adapters) == 16 and all(n.endswith((".lora_A", ".lora_B")) for n in adapters)

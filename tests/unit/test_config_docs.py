@@ -1,5 +1,4 @@
 """docs/config.md is generated from megatron_rl/config/ and must be up to date."""
-import dataclasses
 from pathlib import Path
 
 from megatron_rl.config import Config

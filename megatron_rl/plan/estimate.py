@@ -25,6 +25,11 @@ embeddings) as above. Expert activations per token: top-k routed copies of the S
 and of the permuted input/output (2h), token shards as the rest of the layer (`activation_memory`);
 checked against the measured CPU peak of a tiny Mixtral (tests/e2e/test_step_memory_estimate_moe.py).
 Training FLOPs count the active parameters (top-k experts).
+LoRA (`trainer.lora`, plan/lora_memory.py): the base is frozen, so it has weights only (no gradients,
+no Adam state, no fp32 main copy under bf16); the adapters of a stage's layers (A and B, sharded over
+TP as train/lora.py shards them) have weights, 4 B gradients and Adam state as above; activations are
+the local spec's (LoRA refuses Transformer Engine) with lora_memory's terms; training FLOPs are 4 per
+frozen parameter (no weight gradients) and 6 per adapter parameter.
 Generator GPU (one SGLang replica over `generator.tp_size` GPUs): bf16 weights / tp_size + KV cache
 (`generator.max_total_tokens` x layers x 2 x kv_heads_per_gpu x head_dim x 2 B) + a fixed runtime
 overhead. Throughput: decode is memory-bound (each step reads the weight shard and the live KV
@@ -38,6 +43,7 @@ from pathlib import Path
 from megatron_rl.config import Config
 from megatron_rl.config.file import locate_error, read_yaml
 from megatron_rl.config.tree import ConfigError, build
+from megatron_rl.plan.lora_memory import LoraShape, adapter_params, adapter_params_per_layer
 
 GB = 1024 ** 3
 
@@ -144,7 +150,8 @@ def _round_up(n: int, m: int) -> int:
 def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_parallel: bool = False,
                       recompute: str = "none", recompute_method: str = "uniform", recompute_num_layers: int = 1,
                       stage_layers: int | None = None, in_flight: int = 1, elem_bytes: int = 2,
-                      kernels: str = "fused", context_parallel: int = 1) -> dict[str, float]:
+                      kernels: str = "fused", context_parallel: int = 1, lora=None,
+                      mask_bytes: int = 1) -> dict[str, float]:
     """Peak activation bytes of one pipeline stage in a training step (per GPU), logits excluded.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
@@ -201,6 +208,10 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
     Plus, per micro-batch, the final norm's input and output (2h/d fused, 3h/d local). Returns bytes:
     `per_layer` (A x tokens), `stored` (all micro-batches in flight), `working` (the recompute working
     set), `total`. tests/e2e/test_step_memory_estimate.py checks `local` against the measured peak.
+
+    `lora` (a `plan.lora_memory.LoraShape`, local kernels only: LoRA refuses Transformer Engine) applies
+    that module's terms: a frozen base keeps less, the adapters' rank-r products and dropout masks
+    (`mask_bytes` per element: 1 on GPU, the compute dtype's size on CPU) more.
     """
     if kernels not in ("fused", "local"):
         raise ValueError(f"kernels {kernels!r}: fused or local")
@@ -221,7 +232,17 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
         per_token, attn_core = 4 * h / d + (3 * q + 3 * kv + 3 * f) / t, 0.0
     if shapes.experts:  # MoE: experts whole (no TP), top-k routed copies of each token shard
         per_token += shapes.topk * ((5 if local else 3) * shapes.ffn + 2 * h) / d - (5 if local else 3) * f / t
-    layer = tokens * elem_bytes * per_token
+    fixed, head_width = 0.0, (3 if local else 2) * h / d
+    if lora is not None:
+        from megatron_rl.plan.lora_memory import activation_terms
+
+        if not local:
+            raise ValueError("LoRA runs on the local layer spec (Transformer Engine is refused): kernels='local'")
+        terms = activation_terms(shapes, lora, tp=tp, sequence_parallel=sequence_parallel)
+        per_token += terms.per_token
+        fixed = terms.mask_per_token * tokens * mask_bytes + terms.per_layer * elem_bytes
+        head_width = terms.head_per_token
+    layer = tokens * elem_bytes * per_token + fixed
     layer_input = tokens * elem_bytes * h / d
     working = 0.0
     if recompute == "none":
@@ -236,7 +257,7 @@ def activation_memory(shapes: Shapes, tokens: int, *, tp: int = 1, sequence_para
         stored, working = n * layer_input + (layers - n) * layer, layer
     else:
         raise ValueError(f"recompute {recompute!r} / recompute_method {recompute_method!r}")
-    head = tokens * elem_bytes * (3 if local else 2) * h / d
+    head = tokens * elem_bytes * head_width
     stored = in_flight * (stored + head)
     return {"per_layer": layer, "stored": stored, "working": working, "total": stored + working}
 
@@ -250,6 +271,7 @@ class Estimate:
     generator_gb: dict[str, float] = field(default_factory=dict)
     throughput: dict[str, float] = field(default_factory=dict)
     gpu_memory_gb: float = 0.0
+    adapter_params: int = 0  # trainer.lora: adapter parameters of the whole model (0: full training)
 
     @property
     def fits(self) -> bool:
@@ -279,7 +301,14 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     shard = p_stage / tp + e_stage / ep  # parameters per GPU
     expert_dp = tp * cp * dp // ep
     opt_params = (p_stage / tp / (dp * cp) + e_stage / ep / expert_dp) if t.distributed_optimizer else shard
-    tr = {"weights": wbytes * shard / GB, "gradients": 4 * shard / GB, "optimizer": opt_bytes * opt_params / GB}
+    lora = LoraShape.from_config(t.lora)
+    if lora is None:
+        tr = {"weights": wbytes * shard / GB, "gradients": 4 * shard / GB, "optimizer": opt_bytes * opt_params / GB}
+    else:  # frozen base: weights only; the adapters (whole layers per stage, TP-sharded) train
+        adapters = stage_layers * adapter_params_per_layer(shapes, lora, tp)
+        opt_adapters = adapters / (dp * cp) if t.distributed_optimizer else adapters
+        tr = {"weights": wbytes * (shard + adapters) / GB, "gradients": 4 * adapters / GB,
+              "optimizer": opt_bytes * opt_adapters / GB}
     hd = shapes.head_dim
     micro_batches = max(1, r.n_batch // r.n_mini // dp)  # sequences per DP rank per step >= bins
     in_flight = min(pp, micro_batches)
@@ -287,7 +316,8 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     act = activation_memory(shapes, tokens, tp=tp, sequence_parallel=t.sequence_parallel,
                             recompute=t.recompute, recompute_method=t.recompute_method,
                             recompute_num_layers=t.recompute_num_layers, stage_layers=stage_layers,
-                            in_flight=in_flight, elem_bytes=wbytes, context_parallel=cp)
+                            in_flight=in_flight, elem_bytes=wbytes, context_parallel=cp, lora=lora,
+                            kernels="local" if lora else "fused")
     tr["activations"] = act["total"] / GB
     tr["logits"] = tokens * shapes.vocab / tp * 4 * 2 / GB  # logits + their gradient, fp32
     tr["overhead"] = cluster.trainer_overhead_gb
@@ -308,14 +338,18 @@ def estimate(cfg: Config, cluster: Cluster, shapes: Shapes) -> Estimate:
     step_s = step_bytes / (cluster.hbm_tbps * 1e12 * cluster.decode_efficiency)
     gen_tok_s = g.num_generators * live / step_s
     trainer_gpus = tp * cp * pp * dp
-    train_tok_s = trainer_gpus * cluster.gpu_tflops * 1e12 * cluster.mfu / (6 * shapes.active)
+    # 6 FLOPs per parameter and token (forward 2, input gradients 2, weight gradients 2); a frozen base
+    # skips its weight gradients: 4 per base parameter, 6 per adapter parameter
+    flops_per_token = 6 * shapes.active if lora is None else 4 * shapes.active + 6 * adapter_params(shapes, lora)
+    train_tok_s = trainer_gpus * cluster.gpu_tflops * 1e12 * cluster.mfu / flops_per_token
     batch_tokens = r.n_batch * seq_len
     gen_s = r.n_batch * cluster.mean_completion_fraction * r.max_new_tokens / gen_tok_s
     train_s = batch_tokens / train_tok_s
     thr = {"generator_tokens_per_s": gen_tok_s, "trainer_tokens_per_s": train_tok_s,
            "live_sequences_per_replica": live, "generation_s_per_update": gen_s, "train_s_per_update": train_s,
            "update_s": max(gen_s, train_s), "bottleneck": 0.0 if gen_s >= train_s else 1.0}
-    return Estimate(shapes.total, trainer_gpus, g.num_generators * gtp, tr, ge, thr, cluster.gpu_memory_gb)
+    return Estimate(shapes.total, trainer_gpus, g.num_generators * gtp, tr, ge, thr, cluster.gpu_memory_gb,
+                    adapter_params(shapes, lora) if lora else 0)
 
 
 def shapes_of(cfg: Config) -> Shapes:
@@ -326,7 +360,9 @@ def shapes_of(cfg: Config) -> Shapes:
 
 def render(e: Estimate, cfg: Config) -> str:
     t, g = cfg.trainer, cfg.generator
-    lines = [f"model: {e.params / 1e9:.2f} B parameters",
+    lines = [f"model: {e.params / 1e9:.2f} B parameters"
+             + (f"; LoRA rank {t.lora.rank} on {', '.join(t.lora.target_modules)}: {e.adapter_params / 1e6:.1f} M "
+                f"trained ({100 * e.adapter_params / e.params:.2f} %), base frozen" if e.adapter_params else ""),
              f"trainer: {e.trainer_gpus} GPUs (TP={t.tensor_parallel} CP={t.context_parallel} PP={t.pipeline_parallel} "
              f"DP={t.data_parallel} EP={t.expert_parallel}, sequence_parallel={t.sequence_parallel}, recompute={t.recompute}, "
              f"{t.precision}, distributed_optimizer={t.distributed_optimizer})",

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from megatron_rl.config import Config, length_stages
 from megatron_rl.plan.layout import RankLayout, Role
+from megatron_rl.plan.lora_memory import LoraShape, problems as lora_problems
 from megatron_rl.train.moe import moe_layout_problems
 
 
@@ -162,6 +163,7 @@ def check_run(cfg: Config, shapes, memory, *, gpu_memory_gb: float,
     elif shapes.kv_heads % g.tp_size and g.tp_size % shapes.kv_heads:
         causes.append(f"generator.tp_size={g.tp_size} neither divides nor is a multiple of the model's "
                       f"{shapes.kv_heads} KV heads")
+    causes += lora_problems(shapes, LoraShape.from_config(t.lora), t.recompute)
     if shapes.experts:
         causes += moe_layout_problems(shapes.experts, shapes.shared_ffn, tp=t.tensor_parallel, ep=t.expert_parallel,
                                       sequence_parallel=t.sequence_parallel)

@@ -36,7 +36,7 @@ HONEST = "def solve(xs):\n    return sorted(2 * x for x in xs)\n"
 WRONG = "def solve(xs):\n    return sorted(xs) + [0]\n"  # fails all three
 
 
-def _run(program: str, stdin: bytes = b"", wall_s: float = 6.0):
+def _run(program: str, stdin: bytes = b"", wall_s: float = 30.0):  # generous: a naive verdict must not hinge on load
     with JAIL.workspace() as ws:
         write_file(ws, "main.py", program)
         return JAIL.run([TC.python, "-I", f"{BOX}/main.py"], stdin=stdin, wall_s=wall_s, max_output=1 << 20,

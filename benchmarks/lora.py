@@ -160,7 +160,7 @@ def child(args: argparse.Namespace) -> dict:
         runs = [push(pg, named(), args.bucket_mb) for _ in range(args.push_reps)]
         out[f"push_{name}_bytes"], _, out[f"push_{name}_tensors"] = runs[0]
         out[f"push_{name}_s"] = min(r[1] for r in runs)
-        _progress(f"{args.mode}: {name} push {runs[0][0] / 2**20:.1f} MB in {out[f'push_{name}_s']:.3f} s")
+        _progress(f"{args.mode}: {name} push {runs[0][0] / 2**20:.1f} MiB in {out[f'push_{name}_s']:.3f} s")
     dist.broadcast(torch.tensor([-1], dtype=torch.int64), group=pg, group_src=0)
     receiver.join()
     return out
@@ -195,17 +195,17 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
           f"LoRA rank {args.rank} alpha {2 * args.rank:g} on linear_qkv, linear_proj, linear_fc1, linear_fc2: "
           f"{lora['trained_params'] / 1e6:.2f} M trained ({100 * lora['trained_params'] / lora['params']:.2f} %)")
     print(f"{'':28}{'full':>12}{'LoRA':>12}{'LoRA/full':>11}")
-    rows = [("trainer memory (MB)", med("full", "memory_bytes") / mb, med("lora", "memory_bytes") / mb),
+    rows = [("trainer memory (MiB)", med("full", "memory_bytes") / mb, med("lora", "memory_bytes") / mb),
             ("train tokens/s", med("full", "tokens_per_s"), med("lora", "tokens_per_s")),
-            ("push bytes (MB)", full["push_merged_bytes"] / mb, lora["push_merged_bytes"] / mb),
+            ("push bytes (MiB)", full["push_merged_bytes"] / mb, lora["push_merged_bytes"] / mb),
             ("push time (s)", med("full", "push_merged_s"), med("lora", "push_merged_s"))]
     for label, a, b in rows:
         print(f"{label:28}{a:12.2f}{b:12.2f}{b / a:10.3f}x")
     ad_bytes, ad_s = lora["push_adapters_bytes"] / mb, med("lora", "push_adapters_s")
-    print(f"{'adapter-only push (MB, s)':28}{'':12}{ad_bytes:12.2f}{ad_bytes / rows[2][1]:10.4f}x bytes")
+    print(f"{'adapter-only push (MiB, s)':28}{'':12}{ad_bytes:12.2f}{ad_bytes / rows[2][1]:10.4f}x bytes")
     print(f"{'':28}{'':12}{ad_s:12.3f}{ad_s / rows[3][1]:10.4f}x time")
     print(f"push today: the merged model ({full['push_merged_tensors']} tensors) in both modes, so the bytes are "
-          f"equal; an adapter push ({lora['push_adapters_tensors']} tensors) would send {ad_bytes:.2f} MB")
+          f"equal; an adapter push ({lora['push_adapters_tensors']} tensors) would send {ad_bytes:.2f} MiB")
 
 
 def main() -> None:

@@ -11,6 +11,8 @@ import pytest
 
 from megatron_rl.plan.step_memory import measure
 
+pytestmark = pytest.mark.long  # minutes of multi-process runs: the long tier (README "Tests")
+
 MODEL = dict(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 

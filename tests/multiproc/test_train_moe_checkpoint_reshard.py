@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.long  # minutes of multi-process runs: the long tier (README "Tests")
+
 TP2_SP = {"tensor_parallel": 2, "sequence_parallel": True}
 SAVE_LAYOUT = TP2_SP
 PHASES = {  # phase -> the layout it loads A at

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 CASES = {  # name -> trainer keys
@@ -36,6 +37,7 @@ def routed(seq, seed: int):
     return dataclasses.replace(seq, routed_experts=RoutedExperts(ids.to(torch.uint8).numpy().tobytes(), LAYERS, TOPK))
 
 
+@pytest.mark.long
 def test_routing_replay_in_every_layout_equals_dp2(tmp_path):
     from support.moe_steps import assert_same_step
     from support.torchrun import run_two_ranks

@@ -101,13 +101,7 @@ def child(args: argparse.Namespace) -> dict:
     from trainer import make_batch  # the trainer benchmark's random batch
 
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = memory.rss_bytes()
-        memory.reset_peak_rss()
+    before = memory.start_peak_window()
     trainer_cfg = {"model": args.model, "precision": args.precision, "lr": 1e-5, "micro_batch_tokens": args.micro_tokens}
     if args.mode == "lora":
         trainer_cfg["lora"] = {"rank": args.rank, "alpha": 2.0 * args.rank}
@@ -124,10 +118,7 @@ def child(args: argparse.Namespace) -> dict:
     _progress(f"{args.mode}: trainer built in {time.perf_counter() - t0:.1f} s")
     # the peak from here on: the model as built plus what training adds (gradients, optimizer state,
     # activations), without the transients of building it (the same in both modes)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        memory.reset_peak_rss()
+    memory.start_peak_window()
     batch = make_batch(trainer.dims.vocab_size, args.seqs, args.min_len, args.max_len)
     real = sum(len(s.token_ids) for s in batch.sequences)
     trainer.train_on(batch)  # warm-up: Adam state, buffers
@@ -138,7 +129,7 @@ def child(args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else memory.peak_rss_bytes()
+    peak = memory.window_peak()
     trained = sum(p.numel() for c in trainer.model_chunks for p in c.parameters() if p.requires_grad)
     total = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
 

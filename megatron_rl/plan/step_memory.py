@@ -93,19 +93,13 @@ def child(spec: dict) -> dict:
     out = forward_backward(trainer.model, seqs, trainer.ctx)  # warm-up: one-time buffers and caches
     gc.collect()
     dist.barrier()  # ranks start the measured step together (a no-op on one process)
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = memory.rss_bytes()
-        memory.reset_peak_rss()
+    before = memory.start_peak_window()
     start = time.perf_counter()
     out = forward_backward(trainer.model, seqs, trainer.ctx)
     if cuda:
         torch.cuda.synchronize()
     first = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if cuda else memory.peak_rss_bytes()
+    peak = memory.window_peak()
     times = [first]
     for _ in range(int(spec.get("repeats", 0))):
         start = time.perf_counter()

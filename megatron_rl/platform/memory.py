@@ -45,6 +45,26 @@ def reset_peak_rss() -> None:
         raise RuntimeError(f"cannot reset the peak RSS through {_CLEAR_REFS}: {err}") from None
 
 
+def start_peak_window() -> int:
+    """Bytes in use now, with the peak counter reset to them: the CUDA allocator's on a GPU (synchronised
+    first), else this process's RSS. `window_peak()` then reads the peak since this call."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    reset_peak_rss()
+    return rss_bytes()
+
+
+def window_peak() -> int:
+    """The peak bytes since `start_peak_window` (the same counter it reset)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_rss_bytes()
+
+
 def exact_malloc_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a child process whose large frees go back to the kernel at once."""
     env = dict(os.environ if base is None else base)

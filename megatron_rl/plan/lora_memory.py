@@ -39,10 +39,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.train.lora_rules import MLP, lora_problems
+
 # Megatron's layer names as config/trainer.py LORA_TARGETS lists them (this module reads no config module)
 COLUMN = ("linear_qkv", "linear_fc1")
 ROW = ("linear_proj", "linear_fc2")
-MLP = ("linear_fc1", "linear_fc2")
 
 
 @dataclass(frozen=True)
@@ -125,22 +126,5 @@ def problems(shapes, lora: LoraShape | None, recompute: str) -> list[str]:
     """What the trainer would refuse (train/lora.check_model), found from the model's shapes alone."""
     if lora is None:
         return []
-    out = []
-    experts = [t for t in lora.targets if t in MLP]
-    if shapes.experts and experts:
-        out.append(f"trainer.lora.target_modules: {', '.join(experts)} on an MoE model would adapt the experts, "
-                   "which LoRA does not support yet; target linear_qkv / linear_proj")
-    if recompute == "full" and lora.dropout > 0:
-        out.append("trainer.lora.dropout: > 0 with trainer.recompute: full is not supported (the recomputed "
-                   "forward would draw another dropout mask)")
-    h, q, kv, f = shapes.hidden, shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim, shapes.ffn
-    sides = {"linear_qkv": [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv)],
-             "linear_proj": [("o_proj", q, h)], "linear_fc1": [("gate_proj", h, f), ("up_proj", h, f)],
-             "linear_fc2": [("down_proj", f, h)]}
-    for target in lora.targets:
-        for proj, fan_in, fan_out in sides.get(target, []):
-            if lora.rank > min(fan_in, fan_out):
-                out.append(f"trainer.lora.rank: {lora.rank} exceeds {target}'s {proj} ({fan_in} -> {fan_out}): "
-                           f"the rank must be <= {min(fan_in, fan_out)}")
-                return out
-    return out
+    return lora_problems(lora.rank, lora.targets, lora.dropout, recompute, "" if shapes.experts else None,
+                         shapes.hidden, shapes.heads * shapes.head_dim, shapes.kv_heads * shapes.head_dim, shapes.ffn)

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
 from megatron_rl.config.trainer import LORA_TARGETS
+from megatron_rl.train import lora_rules
 
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 # Megatron layer -> (its module path inside a transformer layer, PEFT's projections in fused order)
@@ -112,12 +113,8 @@ def is_adapter_param(name: str) -> bool:
 
 def projection_shapes(target: str, dims) -> list[tuple[str, int, int]]:
     """(PEFT projection, in_features, out_features) of the HF layers a Megatron target stands for."""
-    q_out, kv_out = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    h, f = dims.hidden_size, dims.ffn_size
-    return {"linear_qkv": [("q_proj", h, q_out), ("k_proj", h, kv_out), ("v_proj", h, kv_out)],
-            "linear_proj": [("o_proj", q_out, h)],
-            "linear_fc1": [("gate_proj", h, f), ("up_proj", h, f)],
-            "linear_fc2": [("down_proj", f, h)]}[target]
+    return lora_rules.projection_shapes(target, dims.hidden_size, dims.num_heads * dims.head_dim,
+                                        dims.num_kv_heads * dims.head_dim, dims.ffn_size)
 
 
 def check_model(spec: LoraSpec, dims, use_te: bool = False, recompute: str = "none") -> None:
@@ -125,20 +122,12 @@ def check_model(spec: LoraSpec, dims, use_te: bool = False, recompute: str = "no
     if use_te:
         raise ConfigError("trainer.lora: LoRA on the Transformer Engine layer spec (its fused norm+linear "
                           "layers) is not supported yet; on GPU run without TE (MEGATRON_RL_GPU_TE=0)")
-    if recompute == "full" and spec.dropout > 0:
-        raise ConfigError("trainer.lora.dropout: > 0 with trainer.recompute: full is not supported (the "
-                          "recomputed forward would draw another dropout mask); use dropout 0 or selective")
-    if dims.moe is not None:
-        experts = [t for t in spec.targets if t in ("linear_fc1", "linear_fc2")]
-        if experts:
-            raise ConfigError(f"trainer.lora.target_modules: {', '.join(experts)} on an MoE model "
-                              f"({dims.model_type}) would adapt the experts, which LoRA does not support yet; "
-                              "target linear_qkv / linear_proj")
-    for target in spec.targets:
-        for proj, fan_in, fan_out in projection_shapes(target, dims):
-            if spec.rank > min(fan_in, fan_out):
-                raise ConfigError(f"trainer.lora.rank: {spec.rank} exceeds {target}'s {proj} "
-                                  f"({fan_in} -> {fan_out}): the rank must be <= {min(fan_in, fan_out)}")
+    problems = lora_rules.lora_problems(spec.rank, spec.targets, spec.dropout, recompute,
+                                        None if dims.moe is None else dims.model_type, dims.hidden_size,
+                                        dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim,
+                                        dims.ffn_size)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def _tp_size_rank() -> tuple[int, int]:

@@ -35,10 +35,6 @@ class LoraConfig:
         check(len(set(self.target_modules)) == len(self.target_modules), f"{key}.target_modules",
               "names a module twice")
 
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
 
 @dataclass
 class TrainerConfig:

@@ -79,7 +79,7 @@ class ServerSpec:
             cmd += ["--base-gpu-id", str(self.gpu_ids[0])]
         if not self.overlap_schedule:
             cmd += ["--disable-overlap-schedule"]
-        if "--dtype" not in self.extra_args:
+        if not any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_args):
             cmd += ["--dtype", self.dtype or checkpoint_dtype(self.model_path)]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]

@@ -105,6 +105,7 @@ def test_the_server_computes_in_the_checkpoints_dtype_not_sglangs_auto(tmp_path,
     assert ServerSpec(str(tmp_path), 1, dtype="bfloat16").command().count("--dtype") == 1
     theirs = ServerSpec(str(tmp_path), 1, extra_args=["--dtype", "float16"]).command()
     assert theirs.count("--dtype") == 1 and theirs[theirs.index("--dtype") + 1] == "float16"
+    assert not [a for a in ServerSpec(str(tmp_path), 1, extra_args=["--dtype=float16"]).command() if a == "--dtype"]
 
 
 @pytest.mark.parametrize("precision,expected", [("fp32", "float32"), ("bf16", "bfloat16")])

@@ -1,7 +1,8 @@
 """Context parallel at CP=2 (2 gloo processes) equals CP=1 (DP=2 on the same 2 processes): per-sequence
 logits and trainer logprobs (collect_logprobs), the RL step's loss and metrics, every gradient, the
 gradient norm and the weights after the optimizer step, on packed bins holding several sequences of
-uneven lengths, one of them (3 tokens) shorter than the 2*CP = 4 chunks it is cut into. Twice: a tiny
+uneven lengths, one of them (3 tokens) shorter than the 2*CP = 4 chunks it is cut into and one a
+two-turn episode whose environment tokens carry no loss (loss_mask). Twice: a tiny
 Llama, and a tiny Mistral whose sliding window (4 keys) is shorter than most sequences (so the CP chunks'
 windows cut their key prefixes; its DP=2 logits are also checked against HF transformers directly).
 
@@ -96,7 +97,14 @@ def _minibatch(model_dir):
     short = TrainSequence([5, 9, 14], 2, [0.0], advantage=0.7)  # 3 tokens: under 2*CP chunks
     with torch.no_grad():
         short.behaviour_logprobs = (hf_completion_logprobs(model, short) - 0.1).tolist()
-    return seqs[:3] + [short] + seqs[3:]
+    # A two-turn episode: its environment tokens (mask 0) carry the placeholder logprob 0.0, which would be
+    # clipped and counted if either layout trained them; its chunks straddle the turn boundary.
+    longest = max(seqs, key=lambda s: s.completion_len)
+    n = longest.completion_len
+    mask = [1] * (n // 3) + [0] * (n // 3) + [1] * (n - 2 * (n // 3))
+    episode = dataclasses.replace(longest, loss_mask=mask, advantage=-0.4, behaviour_logprobs=[
+        lp if m else 0.0 for lp, m in zip(longest.behaviour_logprobs, mask)])
+    return seqs[:3] + [short] + seqs[3:] + [episode]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window"])
@@ -124,6 +132,11 @@ def test_context_parallel_equals_cp1(request, tmp_path, family):
         for b in r["bins"]:
             assert all((e - a) % 4 == 0 for a, e in zip(b["cu"], b["cu"][1:])) and b["local"] * 2 == b["cu"][-1]
     assert sorted(base["logits"]) == list(range(len(seqs)))
+    # only sampled tokens carry loss, in both layouts (the episode's environment tokens do not)
+    assert 0 in seqs[-1].loss_mask
+    for name in CASES:
+        for r in got[name]:
+            assert r["metrics"]["n_loss_tokens"] == sum(s.n_loss_tokens for s in seqs), name
     for r in got["cp2"]:
         assert window or r["reload"] == {"weights_back": True, "rng_restored": True, "optimizer_loaded": True}
     if window:  # the reference itself: each sequence alone through HF, windowed (sequences up to 12 tokens)

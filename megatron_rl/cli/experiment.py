@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of the SFT cold starts made in PREP (the default), e.g. runs/cpu_demo/sft-hf")
     parser.add_argument("--data", help="directory with problems.jsonl (and eval.jsonl) (default: made in PREP by "
                         "the experiment's prepare.data script, else the demo's)")
+    parser.add_argument("--teacher", help="HF directory the experiment's distilling arms (its `teacher` key) distil "
+                        "from, instead of the RL run made in PREP, e.g. runs/cpu_demo/rl-hf")
     parser.add_argument("--prepare-dir", help="where data and the SFT model are made once (default OUT/../_prepare)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run, e.g. "
                         "rollout.n_batch=8")
@@ -72,7 +74,10 @@ def _run_all(exp, args: argparse.Namespace, updates: int, results_dir: Path, run
     runs = runner.plan_runs(exp, out, args.seeds or exp.seeds, arms)
     models, data = runner.prepare(exp, sorted({r.arm for r in runs}), prep, exp.directory.parent / "base.yaml",
                                   args.base_model, args.data)
-    runner.write_configs(exp, runs, updates, models, data, args.overrides)
+    teacher = runner.teacher_for(exp, sorted(models), prep, args.teacher)
+    runner.write_configs(exp, runs, updates, models, data, args.overrides, teacher)  # every run checked first
+    if teacher and not args.teacher:
+        runner.make_teacher(exp, Path(teacher), models, data, args.overrides)
     for i, run in enumerate(runs, 1):
         t0 = time.time()
         status = runner.run_one(run, updates, args.overrides, args.keep_checkpoints)

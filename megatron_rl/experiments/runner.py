@@ -11,7 +11,10 @@ A finished run's metrics.jsonl is copied to the results directory and its checkp
 The model and data are prepared once in PREP (default OUT/../_prepare, shared by the experiments):
 the CPU demo's data (examples/cpu_demo_data.py) and its SFT cold start + HF export, unless
 --base-model / --data name existing ones. An experiment with its own `prepare` (spec.Preparation) gets
-them in PREP/NAME: its data script's output and one cold start per traces file its arms name.
+them in PREP/NAME: its data script's output and one cold start per traces file its arms name. An
+experiment with a `teacher` (spec.Teacher) also gets PREP/NAME/teacher-hf: the base config's RL run from
+its distilling arms' cold start (PREP/NAME/teacher, resumable like the others), exported to HF, unless
+--teacher names one.
 """
 from __future__ import annotations
 
@@ -84,6 +87,31 @@ def cold_start(home: Path, base_config: Path, data: Path, traces: str) -> str:
     return str(hf_dir)
 
 
+def teacher_for(exp: Experiment, arms: list[str], prep_dir: Path, teacher_model: str | None) -> str | None:
+    """The HF directory that exp.teacher's arms among `arms` distil from (None: no such arm): `teacher_model`
+    if given, else PREP/NAME/teacher-hf (made by `make_teacher`)."""
+    if exp.teacher is None or not set(arms) & set(exp.teacher.arms):
+        return None
+    return teacher_model or str(prep_dir / exp.name / "teacher-hf")
+
+
+def make_teacher(exp: Experiment, hf_dir: Path, models: dict[str, str], data: Path, overrides: list[str]) -> None:
+    """Train the teacher once (spec.Teacher): the base config's RL run from the distilling arms' cold start
+    in HF_DIR/../teacher, resumable like the arms' runs, then its HF export in HF_DIR."""
+    assert exp.teacher is not None
+    if (hf_dir / "config.json").is_file():
+        return
+    home = hf_dir.parent
+    run = RunSpec("teacher", 0, home / "teacher", home / "teacher.yaml")
+    model = next(models[a] for a in exp.teacher.arms if a in models)
+    _write_config(run, run_config(exp, None, 0, run.run_dir, exp.teacher.updates, model, data), overrides,
+                  f"the teacher's run ({exp.directory / 'experiment.yaml'} teacher)")
+    run_one(run, exp.teacher.updates, overrides, keep_checkpoints=True)
+    _call(_cli("convert", "to-hf", str(run.run_dir / "checkpoints"), str(hf_dir), "--hf-config", "smollm2-135m"),
+          "export the teacher to HF")
+    shutil.rmtree(run.run_dir / "checkpoints", ignore_errors=True)
+
+
 def plan_runs(exp: Experiment, out: Path, seeds: int, arms: list[str] | None) -> list[RunSpec]:
     chosen = arms or list(exp.arms)
     unknown = [a for a in chosen if a not in exp.arms]
@@ -94,18 +122,22 @@ def plan_runs(exp: Experiment, out: Path, seeds: int, arms: list[str] | None) ->
 
 
 def write_configs(exp: Experiment, runs: list[RunSpec], updates: int, models: dict[str, str], data: Path,
-                  overrides: list[str]) -> None:
+                  overrides: list[str], teacher: str | None = None) -> None:
     """Write every run's merged config and check it (with the overrides) before anything runs."""
+    for run in runs:
+        cfg = run_config(exp, run.arm, run.seed, run.run_dir, updates, models[run.arm], data, teacher)
+        _write_config(run, cfg, overrides, f"arm {run.arm} ({exp.directory / 'arms' / (run.arm + '.yaml')})")
+
+
+def _write_config(run: RunSpec, cfg: dict, overrides: list[str], what: str) -> None:
     from megatron_rl.config import ConfigError, load_config
 
-    for run in runs:
-        cfg = run_config(exp, run.arm, run.seed, run.run_dir, updates, models[run.arm], data)
-        run.config_path.parent.mkdir(parents=True, exist_ok=True)
-        run.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        try:
-            load_config(run.config_path, overrides)
-        except ConfigError as e:
-            raise ExperimentError(f"arm {run.arm} ({exp.directory / 'arms' / (run.arm + '.yaml')}): {e}") from None
+    run.config_path.parent.mkdir(parents=True, exist_ok=True)
+    run.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    try:
+        load_config(run.config_path, overrides)
+    except ConfigError as e:
+        raise ExperimentError(f"{what}: {e}") from None
 
 
 def done_updates(run: RunSpec) -> int:

@@ -10,8 +10,11 @@ An arm's run config = base, then the arm's overrides, then what the runner sets 
 updates, seed, model and data paths), then the command line's --set overrides. The model and data are
 made once before the runs (`Preparation`): by default the CPU demo's, shared by every experiment that
 does not say `prepare: {data: SCRIPT, sft: {ARM: TRACES, ...}}` (a script `python SCRIPT DIR` that
-writes problems.jsonl, eval.jsonl and the traces; each arm's cold start trains on the traces it names). Every arm is checked
-with the project's own config loader before anything runs, so a bad key names the arm's file.
+writes problems.jsonl, eval.jsonl and the traces; each arm's cold start trains on the traces it names). An
+experiment whose arms distil from a teacher says `teacher: {updates: N, arms: [ARM, ...]}`: the runner
+first trains the base config with RL for N updates from those arms' cold start, exports it to HF and sets
+it as their `algo.teacher` (`Teacher`). Every arm is checked with the project's own config loader before
+anything runs, so a bad key names the arm's file.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = ROOT / "experiments"
 SPEC_FILE = "experiment.yaml"
-_KEYS = {"claim", "base", "updates", "seeds", "metrics", "x", "target", "at_updates", "prepare"}
+_KEYS = {"claim", "base", "updates", "seeds", "metrics", "x", "target", "at_updates", "prepare", "teacher"}
 DEMO_DATA = ROOT / "examples" / "cpu_demo_data.py"  # the default preparation's data: the CPU demo's
 
 
@@ -52,6 +55,16 @@ class Preparation:
     shared: bool = False
 
 
+@dataclass(frozen=True)
+class Teacher:
+    """The model that `arms` distil from (their algo.teacher): the base config trained with RL for `updates`
+    updates from those arms' cold start, made once in PREP/NAME/teacher and exported to HF (or an HF
+    directory given with --teacher)."""
+
+    updates: int
+    arms: tuple[str, ...]
+
+
 @dataclass
 class Experiment:
     name: str
@@ -66,6 +79,7 @@ class Experiment:
     x: Literal["update", "elapsed_s"] = "update"  # elapsed_s: wall time (report.with_elapsed)
     target: Target | None = None
     at_updates: list[int] | None = None  # table columns (default: quarters of the run)
+    teacher: Teacher | None = None  # the arms that distil, and from what
 
     @property
     def results_dir(self) -> Path:
@@ -134,7 +148,7 @@ def load_experiment(name: str) -> Experiment:
         updates=int(spec.get("updates", 20)),
         seeds=int(spec.get("seeds", 2)), metrics=list(spec.get("metrics", ["reward/mean", "pass_rate"])),
         x=spec.get("x", "update"), target=Target(str(target["metric"]), float(target["value"])) if target else None,
-        at_updates=spec.get("at_updates"))
+        at_updates=spec.get("at_updates"), teacher=_teacher(spec.get("teacher"), spec_path, list(arms)))
     if exp.x not in ("update", "elapsed_s"):
         raise ExperimentError(f"{spec_path}: x must be update or elapsed_s, got {exp.x!r}")
     if exp.updates < 1 or exp.seeds < 1:
@@ -157,6 +171,19 @@ def _preparation(prepare: Any, spec_path: Path, arms: list[str]) -> Preparation:
     return Preparation(script, traces)
 
 
+def _teacher(teacher: Any, spec_path: Path, arms: list[str]) -> Teacher | None:
+    if teacher is None:
+        return None
+    form = "teacher must be {updates: N >= 1, arms: [ARM, ...]}"
+    if not (isinstance(teacher, dict) and set(teacher) == {"updates", "arms"} and isinstance(teacher["arms"], list)
+            and isinstance(teacher["updates"], int) and teacher["updates"] >= 1 and teacher["arms"]):
+        raise ExperimentError(f"{spec_path}: {form}, got {teacher!r}")
+    unknown = [a for a in teacher["arms"] if a not in arms]
+    if unknown:
+        raise ExperimentError(f"{spec_path}: teacher.arms: no arm {unknown} (arms: {', '.join(arms)})")
+    return Teacher(teacher["updates"], tuple(str(a) for a in teacher["arms"]))
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One arm x seed: a normal training run in its own directory."""
@@ -171,10 +198,11 @@ class RunSpec:
         return f"{self.arm}-seed{self.seed}"
 
 
-def run_config(exp: Experiment, arm: str, seed: int, run_dir: Path, updates: int, model: str,
-               data_dir: Path) -> dict[str, Any]:
-    """The merged config dict of one run (before the command line's --set overrides)."""
-    per_run = {
+def run_config(exp: Experiment, arm: str | None, seed: int, run_dir: Path, updates: int, model: str,
+               data_dir: Path, teacher: str | None = None) -> dict[str, Any]:
+    """The merged config dict of one run (before the command line's --set overrides); arm None: the base
+    alone (the teacher's run). `teacher`: the HF directory the arms of exp.teacher distil from."""
+    per_run: dict[str, Any] = {
         "trainer": {"model": str(model), "seed": int(exp.base.get("trainer", {}).get("seed", 1234)) + seed},
         "data": {"source": "jsonl", "path": str(data_dir / "problems.jsonl"), "seed": seed},
         "run": {"output_dir": str(run_dir), "updates": updates},
@@ -183,4 +211,6 @@ def run_config(exp: Experiment, arm: str, seed: int, run_dir: Path, updates: int
         per_run["data"]["eval_path"] = str(data_dir / "eval.jsonl")
     else:  # no held-out set given: no evaluation rounds
         per_run["run"]["eval_every"] = 0
-    return deep_merge(deep_merge(exp.base, exp.arms[arm]), per_run)
+    if teacher is not None and exp.teacher is not None and arm in exp.teacher.arms:
+        per_run["algo"] = {"teacher": teacher}
+    return deep_merge(deep_merge(exp.base, exp.arms[arm] if arm else {}), per_run)

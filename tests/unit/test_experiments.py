@@ -29,12 +29,13 @@ def _models(exp, model: str) -> dict[str, str]:
 
 
 def test_issue_19_experiments_exist_and_every_arm_is_a_valid_config(tmp_path, data_dir):
-    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync", "tool_use"} <= set(list_experiments())
+    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync", "tool_use", "distill"} <= set(list_experiments())
     for name in list_experiments():
         exp = load_experiment(name)
         assert len(exp.arms) >= 2 and exp.seeds >= 2, name
         runs = runner.plan_runs(exp, tmp_path / name, exp.seeds, None)
-        runner.write_configs(exp, runs, exp.updates, _models(exp, "smollm2-135m"), data_dir, [])  # load_config checks each
+        teacher = runner.teacher_for(exp, list(exp.arms), tmp_path / "prep", None)
+        runner.write_configs(exp, runs, exp.updates, _models(exp, "smollm2-135m"), data_dir, [], teacher)  # load_config checks each
         assert len(runs) == len(exp.arms) * exp.seeds
     # the arm's override wins over the base; the runner's per-run keys over both
     exp = load_experiment("batch_vs_minibatch")
@@ -125,6 +126,72 @@ def test_prepare_makes_the_data_once_and_one_cold_start_per_traces_file(tmp_path
     models, data = runner.prepare(demo, list(demo.arms), prep, tmp_path / "base.yaml", None, None)
     assert data == prep / "data" and set(models.values()) == {str(prep / "sft-hf")}
     assert calls[5:] == ["data", "SFT cold start on sft.jsonl", "export to HF"]
+
+
+@pytest.mark.parametrize("teacher, error", [
+    ({"updates": 20}, "teacher must be"),
+    ({"updates": 0, "arms": ["a"]}, "teacher must be"),
+    ({"updates": 5, "arms": []}, "teacher must be"),
+    ({"updates": 5, "arms": ["a", "z"]}, r"teacher.arms: no arm \['z'\]"),
+])
+def test_a_bad_teacher_key_is_one_line_naming_it(tmp_path, teacher, error):
+    d = _experiment_dir(tmp_path, None)
+    (d / "experiment.yaml").write_text(yaml.safe_dump({"claim": "x", "teacher": teacher}))
+    with pytest.raises(ExperimentError, match=error) as e:
+        load_experiment(str(d))
+    assert "experiment.yaml" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_teacher_is_the_base_configs_rl_run_made_once_and_set_for_its_arms_only(tmp_path, monkeypatch):
+    """`teacher: {updates, arms}`: before the arms run, the base config is trained with RL for `updates`
+    from the distilling arms' cold start (a normal resumable run), exported to HF once, and becomes the
+    algo.teacher of those arms only; --teacher names an existing one instead; no distilling arm chosen:
+    no teacher."""
+    calls = []
+
+    def fake(cmd, what):
+        calls.append((what, cmd))
+        if what.startswith("teacher"):  # `megatron-rl train`: metrics up to run.updates, a final checkpoint
+            cfg = yaml.safe_load(Path(cmd[cmd.index("train") + 1]).read_text())
+            run_dir = Path(cfg["run"]["output_dir"])
+            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (run_dir / "checkpoints" / TRACKER).write_text(str(cfg["run"]["updates"]))
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"update": u + 1}) + "\n"
+                                                           for u in range(cfg["run"]["updates"])))
+        else:  # export to HF
+            Path(cmd[-3]).mkdir(parents=True)
+            (Path(cmd[-3]) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(runner, "_call", fake)
+    exp = load_experiment("distill")
+    assert exp.teacher is not None and set(exp.teacher.arms) == {"rl", "distill"}
+    exp.arms["plain"] = {}  # an arm that does not distil
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "problems.jsonl").write_text("")
+    prep = tmp_path / "prep"
+    assert runner.teacher_for(exp, ["plain"], prep, None) is None
+    assert runner.teacher_for(exp, ["rl", "plain"], prep, "T") == "T"  # --teacher
+    teacher = runner.teacher_for(exp, ["distill", "plain"], prep, None)
+    assert teacher == str(prep / "distill" / "teacher-hf")
+    runs = runner.plan_runs(exp, tmp_path / "out", 1, ["distill", "plain"])
+    models = {"distill": "SFT", "plain": "SFT"}
+    runner.write_configs(exp, runs, 3, models, data, [], teacher)
+    configs = {r.arm: yaml.safe_load(r.config_path.read_text()) for r in runs}
+    assert configs["distill"]["algo"]["teacher"] == teacher and configs["distill"]["algo"]["distill_only"]
+    assert "teacher" not in configs["plain"].get("algo", {})
+
+    runner.make_teacher(exp, Path(teacher), models, data, ["rollout.n_batch=8"])
+    what, cmd = calls[0]
+    cfg = yaml.safe_load((prep / "distill" / "teacher.yaml").read_text())
+    assert what == "teacher-seed0 (start)" and cmd[-2:] == ["rollout.n_batch=8", "run.resume=auto"]
+    assert (cfg["trainer"]["model"], cfg["run"]["updates"]) == ("SFT", exp.teacher.updates)
+    assert cfg.get("algo") == exp.base.get("algo") and cfg["run"]["output_dir"] == str(prep / "distill" / "teacher")
+    assert calls[1][0] == "export the teacher to HF" and calls[1][1][-4:-1] == [
+        str(prep / "distill" / "teacher" / "checkpoints"), teacher, "--hf-config"]
+    assert not (prep / "distill" / "teacher" / "checkpoints").exists()  # exported: 2 GB freed
+    runner.make_teacher(exp, Path(teacher), models, data, [])
+    assert len(calls) == 2  # made once
 
 
 def test_runner_skips_finished_resumes_checkpointed_and_restarts_the_rest(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from megatron_rl.config.tree import check
 class EnvConfig:
     """Episodes: environment and turn-loop limits (megatron_rl.env, megatron_rl.rollout.episode)."""
 
-    # Environment of each episode: a built-in (single_turn, python, echo), "module:Class", "file.py:Class" or an entry point of group megatron_rl.environments
+    # Environment of each episode: a built-in (single_turn, python, python_tests, echo), "module:Class", "file.py:Class" or an entry point of group megatron_rl.environments
     name: str = "single_turn"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor
     max_turns: int = 8  # model turns per episode; an episode still running after them ends, graded on its last turn

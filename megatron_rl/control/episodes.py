@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+from typing import Any
 
 from megatron_rl.config import Config
 from megatron_rl.data.prompts import PromptTemplate, get_template
@@ -24,6 +26,20 @@ def prompt_template(cfg: Config) -> PromptTemplate:
     return dataclasses.replace(template, chat_template_kwargs=template.chat_template_kwargs | {"tools": tools})
 
 
+def environment_args(cfg: Config) -> dict[str, Any]:
+    """The keyword arguments each environment is made with: env.args, and the run's reward config as
+    `reward_config` for an environment whose constructor takes one (one that grades mid-episode as the
+    reward will, e.g. python_tests)."""
+    args = dict(cfg.env.args)
+    try:
+        takes = "reward_config" in inspect.signature(load_environment(cfg.env.name)).parameters
+    except (TypeError, ValueError):  # no signature to read
+        takes = False
+    if takes:
+        args["reward_config"] = cfg.reward
+    return args
+
+
 def episode_setup(cfg: Config, tokenizer) -> EpisodeSetup:
     """How a generator rank plays episodes: a new environment per episode (env.name, env.args), the caps,
     and observations rendered by the model's chat template (none for an environment without a template
@@ -39,6 +55,6 @@ def episode_setup(cfg: Config, tokenizer) -> EpisodeSetup:
             turns.observation_ids([{"role": "user", "content": "probe"}])
         except TemplateError as err:
             raise InputError(f"env.name: {e.name} plays multi-turn episodes, but {err}") from None
-    return EpisodeSetup(make_env=functools.partial(make_environment, e.name, e.args),
+    return EpisodeSetup(make_env=functools.partial(make_environment, e.name, environment_args(cfg)),
                         limits=EpisodeLimits(e.max_turns, e.max_turn_tokens, e.max_observation_tokens,
                                                               e.episode_timeout_s), turns=turns)

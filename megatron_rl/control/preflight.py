@@ -43,8 +43,10 @@ def check_config(cfg: Config) -> None:
         why = plugin_error(cfg.reward.custom)
         if why is not None:
             raise ConfigError(f"reward.custom: {why}")
+    from megatron_rl.control.episodes import environment_args
+
     try:  # one environment made and closed: its class loads and takes env.args
-        make_environment(cfg.env.name, cfg.env.args).close()
+        make_environment(cfg.env.name, environment_args(cfg)).close()
     except EnvLoadError as e:
         raise ConfigError(str(e)) from None
     except Exception as e:  # the constructor's own check of its arguments

@@ -1,6 +1,6 @@
 """Finding an environment class by name, as ``reward.custom`` finds a reward function. Four forms:
 
-- ``"python"``, ``"single_turn"``, ``"echo"``: the built-ins (:data:`BUILTINS`);
+- ``"python"``, ``"python_tests"``, ``"single_turn"``, ``"echo"``: the built-ins (:data:`BUILTINS`);
 - ``"my_pkg.envs:Calculator"``: a module importable on every generator rank, and its class;
 - ``"path/to/envs.py:Calculator"``: a Python file (relative paths from the working directory);
 - ``"calculator"``: an entry point of the group ``megatron_rl.environments`` of an installed package
@@ -19,13 +19,15 @@ import inspect
 from typing import Any
 
 from megatron_rl.env.base import Environment
+from megatron_rl.env.python_tests import PythonTests
 from megatron_rl.env.python_tool import PythonTool
 from megatron_rl.env.scripted import Echo
 from megatron_rl.env.single_turn import SingleTurn
 from megatron_rl.plugins import PluginNotFound, find
 
 ENTRY_POINT_GROUP = "megatron_rl.environments"
-BUILTINS: dict[str, type] = {"python": PythonTool, "single_turn": SingleTurn, "echo": Echo}
+BUILTINS: dict[str, type] = {"python": PythonTool, "python_tests": PythonTests, "single_turn": SingleTurn,
+                             "echo": Echo}
 _METHODS = ("reset", "step", "close")
 
 

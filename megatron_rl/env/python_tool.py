@@ -190,20 +190,20 @@ class PythonTool(Environment):
         statuses: list[str] = []
         tool_s = wait_s = 0.0
         for call in calls:
+            names = [t["function"]["name"] for t in self.tools]
             if call.error:
                 content, status = f"[error: {call.error}]", "invalid"
-            elif call.name != TOOL_NAME:
-                content, status = f"[error: unknown tool {call.name!r}; the only tool is {TOOL_NAME!r}]", "invalid"
+            elif call.name not in names:
+                content, status = f"[error: unknown tool {call.name!r}; the tools are {', '.join(map(repr, names))}]", "invalid"
             elif not isinstance(call.arguments.get("code"), str):
-                content, status = '[error: the python tool needs "arguments": {"code": "<python source>"}]', "invalid"
+                content, status = f'[error: the {call.name} tool needs "arguments": {{"code": "<python source>"}}]', "invalid"
             elif self.calls >= self.max_tool_calls:
                 content, status = (f"[not run: the limit of {self.max_tool_calls} tool calls per episode "
                                    "is reached; answer without calling tools]"), "over_limit"
             else:
                 self.calls += 1
-                out, waited = self._run(_strip_fence(call.arguments["code"]))
-                content, status = self._render(out)
-                tool_s, wait_s = tool_s + out.wall_s, wait_s + waited
+                content, status, run_s, waited = self._call(call.name, _strip_fence(call.arguments["code"]))
+                tool_s, wait_s = tool_s + run_s, wait_s + waited
             observation.append({"role": "tool", "content": content})
             statuses.append(status)
         return StepResult(observation, info={
@@ -217,6 +217,12 @@ class PythonTool(Environment):
         self._state = "closed"
 
     # ------------------------------------------------------------------ one call
+    def _call(self, name: str, code: str) -> tuple[str, str, float, float]:
+        """(observation text, status, sandbox wall s, slot wait s) of one well-formed call of tool `name`."""
+        out, waited = self._run(code)
+        content, status = self._render(out)
+        return content, status, out.wall_s, waited
+
     def _run(self, code: str) -> tuple[RunOutcome, float]:
         # sh only merges stderr into stdout (in order, with python -u) before exec'ing python.
         cmd = ["/bin/sh", "-c", 'exec "$0" -u -E -s - 2>&1', self.toolchain.python]

@@ -92,7 +92,7 @@ ERRORS = {
     "collections:OrderedDict": "is not an environment: class OrderedDict has no reset, step, close",
     "megatron_rl.env.loading:load_environment": "is not an environment: a function, not a class",
     "megatron_rl.env.base:Environment": "is not an environment: class Environment does not implement reset and step",
-    "no_such_env": f"no built-in 'no_such_env' (echo, python, single_turn) and no entry point "
+    "no_such_env": f"no built-in 'no_such_env' (echo, python, python_tests, single_turn) and no entry point "
                    f"'no_such_env' in group {ENTRY_POINT_GROUP}",
 }
 

@@ -30,6 +30,8 @@ PHASES = {"tp1dp2": (1, 1, 2, None, "A"), "pp2": (1, 2, 1, None, "A"), "pp2vpp2"
           "tp2again": (2, 1, 1, None, "A"), "tp2_from_tp1": (2, 1, 1, None, "B")}
 LR, BETAS, STEP = 1e-2, (0.9, 0.95), 3  # _config's lr, the trainer's Adam betas; the step after A
 
+pytestmark = pytest.mark.long  # minutes of multi-process runs: the long tier (README "Tests")
+
 
 def _config(model_dir: str, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None):
     from megatron_rl.config import config_from_dict

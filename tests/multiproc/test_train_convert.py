@@ -14,6 +14,8 @@ import torch
 from support.torchrun import run_two_ranks
 from support.train_models import make_tiny_hf, make_tiny_moe, smollm2_fp32_dir
 
+pytestmark = pytest.mark.long  # minutes of multi-process runs: the long tier (README "Tests")
+
 WORKER = Path(__file__).resolve().parent / "scripts" / "train_convert_worker.py"
 TINY = {  # llama: even sizes (no TP padding); the others odd (padded at TP=2)
     "llama": dict(family="llama", layers=2, heads=4, kv_heads=2, intermediate=96, vocab=302),

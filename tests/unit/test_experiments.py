@@ -164,14 +164,15 @@ def test_the_teacher_is_the_base_configs_rl_run_made_once_and_set_for_its_arms_o
 
     monkeypatch.setattr(runner, "_call", fake)
     exp = load_experiment("distill")
-    assert exp.teacher is not None and set(exp.teacher.arms) == {"rl", "distill"}
+    assert exp.teacher is not None and exp.teacher.arms == ("distill",)
     exp.arms["plain"] = {}  # an arm that does not distil
     data = tmp_path / "data"
     data.mkdir()
     (data / "problems.jsonl").write_text("")
     prep = tmp_path / "prep"
     assert runner.teacher_for(exp, ["plain"], prep, None) is None
-    assert runner.teacher_for(exp, ["rl", "plain"], prep, "T") == "T"  # --teacher
+    assert runner.teacher_for(exp, ["distill", "plain"], prep, "T") == "T"  # --teacher
+    assert runner.teacher_for(exp, ["rl"], prep, "T") is None  # rl does not distil
     teacher = runner.teacher_for(exp, ["distill", "plain"], prep, None)
     assert teacher == str(prep / "distill" / "teacher-hf")
     runs = runner.plan_runs(exp, tmp_path / "out", 1, ["distill", "plain"])

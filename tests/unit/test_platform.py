@@ -138,6 +138,29 @@ def test_sgl_kernel_stub_matches_a_reference_loop():
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
 
 
+def test_sgl_kernel_stub_unpins_sglangs_lora_modules_only():
+    """SGLang's LoRA code pins its host index tensors, which raises on a CPU-only torch; the stub gives its
+    modules a torch whose factories ignore pin_memory and makes Tensor.pin_memory the identity (it could
+    only raise here). Other modules keep the real torch."""
+    out = _run("""
+        import torch, sgl_kernel
+        try:
+            torch.tensor([1], pin_memory=True)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("this torch pins memory: the LoRA shim is not needed")
+        import sglang.srt.lora.backend.torch_backend as tb, sglang.srt.lora.layers as layers
+        import sglang.srt.mem_cache.allocation as other
+        assert tb.torch is not torch and layers.torch is not torch and other.torch is torch
+        x = tb.torch.tensor([1, 2], dtype=torch.int32, pin_memory=True, device="cpu")
+        assert isinstance(x, torch.Tensor) and x.tolist() == [1, 2] and tb.torch.float32 is torch.float32
+        assert x.pin_memory() is x
+        print("OK")
+    """, env=sglang_cpu_env({"PATH": "/usr/bin:/bin"}))
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
 def test_cpu_torch_survived_every_install():
     import torch
 

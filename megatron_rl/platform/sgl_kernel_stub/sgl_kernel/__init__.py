@@ -6,13 +6,16 @@ Any other function raises immediately with its name, so an unexpected call is ne
 Put this folder's parent on PYTHONPATH of the SGLang server process only
 (`megatron_rl.platform.sglang_cpu_env()` does that).
 Importing it also lets SGLang's routed-experts capture allocate its host buffer without CUDA
-(`_unpinned_host`).
+(`_unpinned_host`) and SGLang's LoRA layers and torch_native LoRA backend (`--enable-lora
+--lora-backend torch_native`) allocate their host index tensors unpinned (`_unpinned_lora`).
 """
 import torch
 
 from ._unpinned_host import install as _install_unpinned_host
+from ._unpinned_lora import install as _install_unpinned_lora
 
 _install_unpinned_host()
+_install_unpinned_lora()
 
 __version__ = "0.0.0+megatron_rl_stub"
 

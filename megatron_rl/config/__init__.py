@@ -27,7 +27,7 @@ from megatron_rl.config.length_stages import LengthStage, check_length_penalty, 
 from megatron_rl.config.reward import RewardConfig
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.run import RunConfig
-from megatron_rl.config.trainer import TrainerConfig
+from megatron_rl.config.trainer import LORA_SERVER_FLAGS, TrainerConfig
 from megatron_rl.config.tree import ConfigError, apply_override, build, check
 
 __all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "EnvConfig", "GeneratorConfig", "LengthStage", "RewardConfig",
@@ -62,6 +62,12 @@ class Config:
                                                      and self.algo.is_correction != "sequence_tis"),
               "trainer.context_parallel", "> 1 does not support algo.kl_mode: k2 nor algo.is_correction: "
               "sequence_tis yet (sequence-level terms); use kl_mode: reward or a token-level correction")
+
+        if self.trainer.lora.push == "adapter":
+            given = [a.split("=")[0] for a in self.generator.extra_args if a.split("=")[0] in LORA_SERVER_FLAGS]
+            check(not given, "trainer.lora.push",
+                  f"adapter sets the generators' {', '.join(LORA_SERVER_FLAGS)} from trainer.lora; remove "
+                  f"{', '.join(given)} from generator.extra_args")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

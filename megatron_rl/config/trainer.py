@@ -9,6 +9,9 @@ from megatron_rl.config.tree import check
 # Megatron's names of the linear layers LoRA can adapt (docs/train.md "LoRA"): the fused q/k/v and the
 # attention output projection, the fused [gate; up] MLP input and the MLP output.
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# SGLang flags the adapter push (trainer.lora.push: adapter) sets on the generators from trainer.lora
+# (rollout/adapters.lora_server_args); generator.extra_args must not set them too
+LORA_SERVER_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths")
 
 
 @dataclass
@@ -21,9 +24,15 @@ class LoraConfig:
     # Megatron layers to adapt: linear_qkv (= PEFT's q_proj, k_proj, v_proj), linear_proj (o_proj),
     # linear_fc1 (gate_proj, up_proj), linear_fc2 (down_proj); MoE experts are refused
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # what the weight push sends: merged (W + alpha/r B A under the HF names, the whole model) or adapter
+    # (only the adapters, which SGLang loads beside the frozen base; a sequence keeps its adapter to its end)
+    push: Literal["merged", "adapter"] = "merged"
 
     def validate(self, key: str) -> None:
         check(self.rank >= 0, f"{key}.rank", "must be >= 0 (0 = off)")
+        check(self.push in ("merged", "adapter"), f"{key}.push", f"must be merged or adapter, got {self.push!r}")
+        check(self.push == "merged" or self.rank > 0, f"{key}.push",
+              "adapter pushes LoRA adapters: it needs trainer.lora.rank > 0")
         if self.rank == 0:
             return
         check(self.alpha > 0, f"{key}.alpha", "must be > 0")

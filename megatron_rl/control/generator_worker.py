@@ -17,6 +17,7 @@ from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, PauseFo
                                           WorkerFailure)
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.routing import SERVER_FLAG, RoutingShape
+from megatron_rl.rollout.adapters import lora_server_args
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.generator_side import answer, status_of
 from megatron_rl.train.hf_source import resolve_model
@@ -29,11 +30,14 @@ SERVING_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
                 gpus: tuple[int, ...] = ()) -> ServerSpec:
     g = cfg.generator
-    replay = [SERVER_FLAG] if cfg.algo.routing_replay else []  # the server keeps every position's routes
+    added = [SERVER_FLAG] if cfg.algo.routing_replay else []  # the server keeps every position's routes
+    lora = cfg.trainer.lora
+    if lora.push == "adapter":  # the base stays, pushed adapters are loaded beside it (rollout/adapters.py)
+        added += lora_server_args(lora.rank, lora.target_modules, g.extra_args)
     return ServerSpec(model_path=model_dir, port=port, max_total_tokens=g.max_total_tokens,
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
-                      extra_args=list(g.extra_args) + replay, tp_size=g.tp_size, host=host, gpu_ids=gpus,
+                      extra_args=list(g.extra_args) + added, tp_size=g.tp_size, host=host, gpu_ids=gpus,
                       dtype=SERVING_DTYPE[cfg.trainer.precision])
 
 
@@ -47,7 +51,8 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
         gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,
                         episodes=episode_setup(cfg, resolve_model(model_dir).tokenizer()),
                         record_boundaries=cfg.env.multi_turn,
-                        routing=RoutingShape.of_model(model_dir) if cfg.algo.routing_replay else None)
+                        routing=RoutingShape.of_model(model_dir) if cfg.algo.routing_replay else None,
+                        adapter_push=cfg.trainer.lora.push == "adapter")
         _check_gpus(gpus, rank)
         gen.start()
     except Exception as e:

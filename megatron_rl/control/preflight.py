@@ -86,13 +86,22 @@ def check_model(cfg: Config) -> None:
 def check_lora(cfg: Config, source) -> None:
     """ConfigError naming the trainer.lora key when the model or this machine's layer spec cannot take the
     adapters (a rank larger than a projection, MoE experts, Transformer Engine, dropout under full
-    recompute): refused before any rank starts, as the trainers would refuse it (train/lora.py)."""
+    recompute; the adapter push on an MoE model): refused before any rank starts, as the trainers would
+    refuse it (train/lora.py)."""
     from megatron_rl.platform import te_available
     from megatron_rl.train.lora import LoraSpec, check_model as check_lora_model
     from megatron_rl.train.model import model_dims
 
     dims = model_dims(source.config(), cfg.trainer.tensor_parallel)
     check_lora_model(LoraSpec.from_config(cfg.trainer.lora), dims, te_available(), cfg.trainer.recompute)
+    if cfg.trainer.lora.push == "adapter":
+        from megatron_rl.train.hf_cache import check_family
+        from megatron_rl.train.moe import MOE_MODEL_TYPES
+
+        family = "llama" if source.gguf_file else check_family(source.path)
+        if family in MOE_MODEL_TYPES:
+            raise ConfigError(f"trainer.lora.push: adapter on an MoE model ({family}) is not supported (SGLang's "
+                              "LoRA with this project's MoE families is unverified); use merged")
 
 
 def check_routing_replay(source) -> None:

@@ -99,7 +99,8 @@ def trainer_loop(mailbox: Mailbox, cfg: Config, place: TrainerPlace, listener=No
     try:
         _init_default_group(place, listener)
         trainer = Trainer(cfg)
-        pusher = TrainerPush(trainer.model_chunks, cfg.generator.bucket_mb, place.node_addr)
+        pusher = TrainerPush(trainer.model_chunks, cfg.generator.bucket_mb, place.node_addr,
+                             adapters=cfg.trainer.lora.push == "adapter", base_model=cfg.trainer.model)
         fanout = CommandFanout(mailbox, first)
     except Exception as e:
         mailbox.fail(WorkerFailure.of("trainer", rank, "trainer set-up failed", e))

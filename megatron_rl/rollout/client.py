@@ -77,6 +77,10 @@ class SGLangClient:
     def model_info(self) -> dict:
         return self._call("GET", "/model_info", timeout=30)
 
+    def loaded_adapters(self) -> set[str]:
+        """Names of the LoRA adapters the server holds (GET /v1/models lists them after the base)."""
+        return {m["id"] for m in self._call("GET", "/v1/models", timeout=30).get("data", []) if m.get("parent")}
+
     def weight_version(self) -> str:
         return str(self.model_info()["weight_version"])
 
@@ -175,6 +179,14 @@ class SGLangClient:
         body = {**manifest, "group_name": group_name, "flush_cache": False,
                 "load_format": "flattened_bucket", "weight_version": weight_version}
         return self._call("POST", "/update_weights_from_distributed", body, ok_statuses=(400,))
+
+    def load_lora_adapter_from_tensors(self, body: dict, timeout: float | None = None) -> dict:
+        """POST /load_lora_adapter_from_tensors (body: sync/adapter_push.load_body); raises unless loaded."""
+        return self._checked("/load_lora_adapter_from_tensors", body, timeout=timeout)
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        """POST /unload_lora_adapter: SGLang waits for the requests that use it, then frees it."""
+        return self._checked("/unload_lora_adapter", {"lora_name": name})
 
     def set_weight_version(self, version: str) -> None:
         """Record a version change for live requests too (they get a new span from here on)."""

@@ -43,6 +43,7 @@ from typing import Any, Iterator, Literal
 
 from megatron_rl.config import GeneratorConfig, RolloutConfig
 from megatron_rl.records import GroupRequest, PartialEpisode, Rollout
+from megatron_rl.rollout.adapters import AdapterVersions, adapter_name
 from megatron_rl.rollout.client import PauseMode, SGLangHTTPError, ServerUnreachable
 from megatron_rl.rollout.episode import Episode, EpisodeSetup, ReplayDiverged, run_episode
 from megatron_rl.rollout.outputs import Turn, parse_version, scoring_temperature
@@ -88,8 +89,11 @@ class Generator:
                  config: GeneratorConfig | None = None, generator_id: int = 0,
                  max_concurrency: int | None = None, on_death: Literal["restart", "raise"] = "restart",
                  max_restarts: int = 3, episodes: EpisodeSetup | None = None, record_boundaries: bool = False,
-                 routing: RoutingShape | None = None):
+                 routing: RoutingShape | None = None, adapter_push: bool = False):
         self.server = server
+        # trainer.lora.push: adapter: the server serves the base plus pushed adapters (rollout/adapters.py);
+        # updates load an adapter without pausing, each turn names the newest and keeps it to its end
+        self.adapters = AdapterVersions(server.spec.initial_version) if adapter_push else None
         self.routing = routing  # ask for the routed experts of every position (the server runs with routing.SERVER_FLAG)
         self.episodes = episodes or EpisodeSetup()
         self.rollout = rollout or RolloutConfig()
@@ -260,14 +264,24 @@ class Generator:
                     "return_logprob": True, "rid": s.request_id, "cache_salt": self.cache.salt()}
             if self.routing is not None:
                 body |= {"return_routed_experts": True, "routed_experts_start_len": s.routes_from}
+            adapter = None
+            if self.adapters is not None:
+                adapter, version = self.adapters.acquire()
+                if adapter is not None:
+                    body["lora_path"] = adapter
             try:
                 out = self.server.client.generate(body, on_tokens=lambda n: self._count_tokens(s, n))
                 turn = Turn.of(out, self.routing, s.routes_from)
+                if self.adapters is not None:  # the adapter it named sampled every token (adapters.py)
+                    turn.versions = [version] * len(turn.ids)
                 s.routes_from = len(context) + len(turn.ids) - 1
                 return turn
             except ServerUnreachable as err:
                 if not self._recover(incarnation, err):
                     raise _ServerGone from err
+            finally:
+                if self.adapters is not None:
+                    self._unload(self.adapters.release(adapter))
 
     def _count_tokens(self, s: Sample, n: int) -> None:
         with self._lock:
@@ -318,6 +332,8 @@ class Generator:
                         self._die(f"restart of the SGLang server failed: {e}")
                     else:
                         self.cache.on_restart(self.server.incarnation, self.server.spec.initial_version)
+                        if self.adapters is not None:
+                            self.adapters.reset()
                         self.needs_weight_sync = True
                         self._update_mode = None
                     finally:
@@ -341,6 +357,8 @@ class Generator:
     # ---------------------------------------------------------------- weight updates
     def begin_update(self, mode: PauseMode | None = None) -> None:
         """Pause generation and open SGLang's weight-update session; senders may push buckets next."""
+        if self.adapters is not None:  # an adapter is loaded beside the running ones: nothing pauses
+            return
         mode = mode or self.config.update_mode
         if mode not in ("in_place", "retract"):
             raise ValueError(f"update mode must be in_place or retract, got {mode!r}")
@@ -353,7 +371,18 @@ class Generator:
 
     def finish_update(self, version: int) -> None:
         """Stamp `version`, verify the server reports it, close the session, apply the prefix
-        policy and continue. Call only after every sender reported success."""
+        policy and continue. Call only after every sender reported success. With adapter push: new
+        turns name adapter `version` (which the sender loaded; checked here), and adapters no turn uses
+        any more are unloaded."""
+        if self.adapters is not None:
+            loaded = self.server.client.loaded_adapters()
+            if adapter_name(version) not in loaded:
+                raise WeightUpdateError(f"generator {self.generator_id} lacks adapter {adapter_name(version)} after "
+                                        f"the push of version {version} (loaded: {sorted(loaded)})")
+            self.cache.on_update(version)
+            self.needs_weight_sync = False
+            self._unload(self.adapters.switch(version))
+            return
         if self._update_mode is None:
             raise WeightUpdateError("finish_update without begin_update")
         c = self.server.client
@@ -373,6 +402,14 @@ class Generator:
         c.resume()
         self._send_gate.set()
 
+    def _unload(self, names: list[str]) -> None:
+        """Free adapters no turn uses (SGLang keeps each loaded adapter in host memory)."""
+        for name in names:
+            try:
+                self.server.client.unload_lora_adapter(name)
+            except (ServerUnreachable, SGLangHTTPError):  # a restarted server holds none; a retry frees it next time
+                pass
+
     def restart(self) -> None:
         """Relaunch the server (weights from disk). Samples that were on the old server see their
         connection drop and re-issue themselves (once each) on the new one."""
@@ -381,6 +418,8 @@ class Generator:
             try:
                 self.server.restart()
                 self.cache.on_restart(self.server.incarnation, self.server.spec.initial_version)
+                if self.adapters is not None:
+                    self.adapters.reset()
                 self.needs_weight_sync = True
                 self._update_mode = None
             finally:

@@ -4,7 +4,8 @@
   self_attn.q_proj.lora_A.weight`, ... as `adapter_model.safetensors` stores them) into the chunks.
 - `export_adapter_tensors(chunks, grads=False)`: yield (PEFT name, full tensor) of this stage's adapters,
   TP-gathered and padding removed (or their gradients); collective over TP like `hf_weights.export_hf_tensors`.
-- `peft_config(spec, base_model)`: the adapter_config.json PEFT reads; `write_peft_adapter(chunks, out_dir,
+- `peft_config(spec, base_model)`: the adapter_config.json PEFT reads; `gather_peft_tensors(chunks)`: collective,
+  the whole model's adapters on rank 0 (the adapter push sends them); `write_peft_adapter(chunks, out_dir,
   base_model)`: collective, rank 0 writes adapter_config.json + adapter_model.safetensors.
 
 PEFT keeps one A [r, in] and one B [out, r] per projection; the fused Megatron adapters hold the same
@@ -141,16 +142,13 @@ def peft_config(spec: LoraSpec, base_model: str) -> dict:
             "init_lora_weights": True, "inference_mode": True}
 
 
-def write_peft_adapter(chunks: list, out_dir: str | Path, base_model: str,
-                       dtype: torch.dtype | None = None) -> Path | None:
-    """Collective over the trainer world: every stage's adapters reach global rank 0, which writes
-    `out_dir/adapter_config.json` and `out_dir/adapter_model.safetensors` (returns the folder there,
-    None on the other ranks). Adapters are small: they travel as one object per stage."""
+def gather_peft_tensors(chunks: list, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Collective over the trainer world: every stage's adapters (PEFT names, whole: TP gathered, padding
+    removed) on global rank 0 as CPU tensors; None on the other ranks. Adapters are small: they travel as
+    one object per stage. Used by `write_peft_adapter` and the adapter push (sync/adapter_push.py)."""
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
 
-    spec = spec_of(chunks)
-    if spec is None:
+    if spec_of(chunks) is None:
         raise ValueError("these model chunks carry no LoRA adapters (trainer.lora.rank is 0)")
     mine = {n: t.cpu() for n, t in export_adapter_tensors(chunks, dtype=dtype)}
     if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank(with_context_parallel=True) != 0:
@@ -162,9 +160,21 @@ def write_peft_adapter(chunks: list, out_dir: str | Path, base_model: str,
         gathered = [mine]
     if (dist.get_rank() if dist.is_initialized() else 0) != 0:
         return None
-    tensors = {n: t for part in gathered for n, t in part.items()}
+    return {n: t for part in gathered for n, t in part.items()}
+
+
+def write_peft_adapter(chunks: list, out_dir: str | Path, base_model: str,
+                       dtype: torch.dtype | None = None) -> Path | None:
+    """Collective over the trainer world: every stage's adapters reach global rank 0, which writes
+    `out_dir/adapter_config.json` and `out_dir/adapter_model.safetensors` (returns the folder there,
+    None on the other ranks)."""
+    from safetensors.torch import save_file
+
+    tensors = gather_peft_tensors(chunks, dtype)
+    if tensors is None:
+        return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(spec_of(chunks), base_model), indent=2) + "\n")
     return out

@@ -32,9 +32,12 @@ from megatron_rl.sync.sender import SyncTarget, WeightSyncError
 
 
 def serialize(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """A plain pickle of CPU tensors: their bytes inline (not torch.multiprocessing's shared memory)."""
+    """A plain pickle of CPU tensors: their bytes inline (not torch.multiprocessing's shared memory).
+    Each is cloned: pickle writes a tensor's whole storage, and on a CPU trainer the adapters are views of
+    larger ones (the fused adapters' per-projection splits, Megatron's parameter buffer)."""
     buf = io.BytesIO()
-    pickle.dump({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickle.dump({n: t.detach().cpu().clone(memory_format=torch.contiguous_format) for n, t in tensors.items()},
+                buf, protocol=pickle.HIGHEST_PROTOCOL)
     return buf.getvalue()
 
 
@@ -71,6 +74,7 @@ class AdapterSender:
 
         with ThreadPoolExecutor(max_workers=len(targets)) as pool:
             sent = sum(pool.map(load, targets))
-        return PushReport(version, tensors=len(tensors), bytes=sent, send_s=time.perf_counter() - start)
+        return PushReport(version, tensors=len(tensors), bytes=sent, send_s=time.perf_counter() - start,
+                          mode="adapter")
 
 

@@ -1,6 +1,8 @@
 """Adapter push (trainer.lora.push: adapter; rollout/adapters.py, sync/adapter_push.py): the config's
 refusals, the request body SGLang's own unpickler reads back bit for bit, the server flags, and the
 version rule's bookkeeping (a turn keeps the adapter it named; idle adapters are freed)."""
+import pickle
+
 import pytest
 import torch
 
@@ -60,6 +62,17 @@ def test_body_round_trips_through_sglangs_restricted_unpickler_bit_for_bit():
     assert back.keys() == tensors.keys()
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+
+
+def test_views_of_a_larger_storage_are_sent_alone():
+    # on a CPU trainer the adapters are views (the fused layers' splits, Megatron's parameter buffer):
+    # pickle would write each view's whole storage (a whole-run push sent 22x the adapters' bytes)
+    buffer = torch.randn(1000, 64)
+    views = {"a": buffer[:4], "b": buffer[4:8].t()}
+    payload = serialize(views)
+    assert len(payload) < 2 * 4 * 64 * 4 + 2000
+    back = pickle.loads(payload)
+    assert all(torch.equal(back[n], t) and back[n].is_contiguous() for n, t in views.items())
 
 
 def test_an_empty_push_is_refused_before_it_reaches_the_server():

@@ -116,14 +116,16 @@ def rollout_stats(rollouts: Iterable[Rollout], trainer_version: int) -> dict[str
 
 def batch_stats(batch: Batch) -> dict[str, float]:
     """Size of a trained batch and the staleness of its tokens (policy version - the version that
-    sampled each token, as the loss sees it): mean over the batch's tokens and the largest; with routing
+    sampled each token, as the loss sees it): mean over the batch's tokens, the smallest (< 0 would be a
+    token newer than the trainer) and the largest; with routing
     replay, the bytes of its routed experts."""
     seqs = batch.sequences
     lags = [batch.policy_version - v for s in seqs for v in s.model_versions]
     out = {"batch/sequences": len(seqs), "batch/tokens": sum(s.completion_len for s in seqs),
            "batch/loss_tokens": sum(s.n_loss_tokens for s in seqs)}
     if lags:
-        out |= {"batch/staleness_mean": sum(lags) / len(lags), "batch/staleness_max": max(lags)}
+        out |= {"batch/staleness_mean": sum(lags) / len(lags), "batch/staleness_min": min(lags),
+                "batch/staleness_max": max(lags)}
     routes = [len(s.routed_experts.ids) for s in seqs if s.routed_experts is not None]
     if routes:  # routing replay: host memory the batch's routes take (records.RoutedExperts)
         out["batch/routed_experts_bytes"] = sum(routes)

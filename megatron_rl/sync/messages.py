@@ -57,6 +57,7 @@ class PushReport:
     tensors: int  # distinct HF tensor names
     bytes: int
     send_s: float  # the slowest sender's time
+    mode: str = "merged"  # trainer.lora.push: merged (the whole model's weights) or adapter (LoRA adapters only)
 
 
 @dataclass

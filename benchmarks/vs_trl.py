@@ -27,6 +27,7 @@ Figures need an idle machine: both systems use every core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -94,9 +95,10 @@ def tree_pss_kib(pid: int) -> int:
 
 
 class PeakPss:
-    """Samples the PSS sum of a process tree every `every` seconds in a thread; `.peak_kib` the largest."""
+    """Samples the PSS sum of a process tree every `every` seconds in a thread; `.peak_kib` the largest
+    (the runs hold their memory for minutes: a coarse interval finds the peak and costs little CPU)."""
 
-    def __init__(self, pid: int, every: float = 1.0):
+    def __init__(self, pid: int, every: float = 5.0):
         self.pid, self.every, self.peak_kib, self.samples = pid, every, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -217,6 +219,15 @@ COLUMNS = [("s/update", "s_per_update", "s"), ("to the end of update 1 (s)", "to
            ("held-out pass@1", "pass_at_1", "p")]
 
 
+def save_figures(fig: RunFigures, path: Path) -> None:
+    path.write_text(json.dumps(dataclasses.asdict(fig), indent=1))
+
+
+def load_figures(path: Path) -> RunFigures:
+    data = json.loads(path.read_text())
+    return RunFigures(**{**data, "measured": tuple(data["measured"])})
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
@@ -329,13 +340,14 @@ def run_ours(args, seed: int, out: Path) -> RunFigures:
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        with PeakPss(proc.pid) as mem:
+        with PeakPss(proc.pid, args.pss_every) as mem:
             rc = proc.wait()
     t1 = time.time()
     if rc != 0:
         raise SystemExit(f"our run failed (exit {rc}); its output: {log}")
     fig = ours_figures(read_metrics(run_dir / "metrics.jsonl"), t0, t1, args.updates)
     fig.peak_pss_kib = mem.peak_kib
+    save_figures(fig, out / f"ours-seed{seed}.figures.json")
     return fig
 
 
@@ -352,7 +364,7 @@ def run_trl(args, seed: int, out: Path) -> RunFigures:
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        with PeakPss(proc.pid) as mem:
+        with PeakPss(proc.pid, args.pss_every) as mem:
             rc = proc.wait()
     t1 = time.time()
     if rc != 0:
@@ -364,6 +376,7 @@ def run_trl(args, seed: int, out: Path) -> RunFigures:
     fig.notes.append(f"TRL: trl {result['versions']['trl']}, transformers {result['versions']['transformers']}, "
                      f"torch {result['versions']['torch']}, {result['threads']} threads; held-out evaluation "
                      f"{result['eval']['wall_s']:.0f} s for {result['eval']['problems']} problems")
+    save_figures(fig, out / f"trl-seed{seed}.figures.json")
     return fig
 
 
@@ -393,9 +406,13 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", default="runs/bench_vs_trl", help="runs, logs and results go here")
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     p.add_argument("--trl-venv", type=Path, default=TRL_VENV)
+    p.add_argument("--pss-every", type=float, default=5.0, help="seconds between two memory samples (a sample "
+                   "reads the smaps of each process of the tree: ~0.15 s of CPU for our run)")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--setup", action="store_true", help="make the TRL environment (--trl-venv) and stop")
+    p.add_argument("--tables-only", action="store_true", help="run nothing: the tables from the figures the "
+                   "runs saved in --output-dir (SYSTEM-seedK.figures.json)")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for both sides (repeatable), e.g. run.eval_max_problems=16")
     args = p.parse_args(argv)
@@ -411,7 +428,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--{what}: {getattr(args, what)} holds no {'HF model' if what == 'model' else 'eval.jsonl'} "
                              f"(examples/cpu_demo.sh makes the demo's model and data)")
         setattr(args, what, str(path.resolve()))
-    if not args.skip_trl:
+    if not args.skip_trl and not args.tables_only:
         problem = check_trl_venv(args.trl_venv)
         if problem:
             raise SystemExit(problem)
@@ -425,9 +442,11 @@ def main(argv=None) -> int:
     ours, trl = [], []
     for seed in range(args.seeds):  # one system after the other, ours first
         if not args.skip_ours:
-            ours.append(run_ours(args, seed, out))
+            ours.append(load_figures(out / f"ours-seed{seed}.figures.json") if args.tables_only else
+                        run_ours(args, seed, out))
         if not args.skip_trl:
-            trl.append(run_trl(args, seed, out))
+            trl.append(load_figures(out / f"trl-seed{seed}.figures.json") if args.tables_only else
+                       run_trl(args, seed, out))
     o = combine(ours) if ours else None
     t = combine(trl) if trl else None
     text = "\n\n".join(x for x in (

@@ -134,3 +134,11 @@ def test_pss_sum_over_this_process_tree(bench):
     finally:
         child.kill()
         child.wait()
+
+
+def test_figures_saved_by_a_run_give_the_same_table(bench, tmp_path):
+    fig = bench.RunFigures("ours", s_per_update=10.0, measured=(3, 20), to_update1_s=60.0, total_s=300.0,
+                           peak_pss_kib=123, pass_at_1=0.5, roles={"push": 1.0}, notes=["a note"])
+    bench.save_figures(fig, tmp_path / "ours-seed0.figures.json")
+    again = bench.load_figures(tmp_path / "ours-seed0.figures.json")
+    assert again == fig and bench.table(again, None) == bench.table(fig, None)

@@ -1,7 +1,7 @@
 """LoRA vs full training on the same model, in one run: trainer peak memory and tokens/s, push bytes and time.
 
     .venv/bin/python benchmarks/lora.py [--model smollm2-135m] [--weights random|real] [--rank 16] [--seqs 8] [--min-len 64]
-        [--max-len 192] [--steps 2] [--rounds 1] [--precision fp32|bf16] [--bucket-mb 64]
+        [--max-len 192] [--steps 2] [--rounds 1] [--precision fp32|bf16] [--bucket-mb 64] [--push-reps 2] [--no-http]
 
 Each (mode, round) runs in a fresh process, modes alternating (full, lora, lora, full, ...) so load from
 other processes falls on both alike: it builds the `Trainer` (`trainer.lora.rank` = --rank on all four
@@ -18,8 +18,17 @@ targets, or 0 = full training), runs one warm-up `train_on` (the optimizer state
   generator's own load is not in it. Full training and LoRA both push the whole merged model today
   (`hf_weights.export_hf_tensors`, W + alpha/r B A per adapted weight), so their bytes are equal. The
   LoRA process also streams its adapters alone (`lora_weights.export_adapter_tensors`, PEFT's tensors):
-  what an adapter push would send, the target of issue 36's item 2.
-Ratios are LoRA / full. On GPU both modes build the local layer spec (MEGATRON_RL_GPU_TE=0: LoRA refuses
+  what the adapter push sends (PEFT's tensors) over the same gloo path, for comparison.
+- HTTP adapter push into a real SGLang server (the LoRA process, unless --no-http): the real trainer-side
+  code (`sync.trainer_push.TrainerPush(adapters=True)`, `trainer.lora.push: adapter`): the adapters
+  gathered, pickled, base64 in one `/load_lora_adapter_from_tensors` request, then the server holding the
+  adapter checked, into one server started as a run starts it (`--enable-lora`, on CPU `--lora-backend
+  torch_native`), the server's load included. Its base: the trainer's weights written as an HF folder with
+  --model's config and tokenizer, float32, one thread, a port in 31700-31799. Best of --push-reps after a
+  warm-up push. Compared with the merged push of the same process over gloo above (which leaves out
+  SGLang's load of the merged weights, so the ratio flatters the merged push). The merged push into a real server is
+  not timed here: on this loaded machine (load average 25) its update group's first broadcast timed out.
+Ratios are LoRA / full, and HTTP adapter push / merged push. On GPU both modes build the local layer spec (MEGATRON_RL_GPU_TE=0: LoRA refuses
 Transformer Engine), so the comparison is like for like.
 """
 from __future__ import annotations
@@ -154,6 +163,76 @@ def child(args: argparse.Namespace) -> dict:
         _progress(f"{args.mode}: {name} push {runs[0][0] / 2**20:.1f} MiB in {out[f'push_{name}_s']:.3f} s")
     dist.broadcast(torch.tensor([-1], dtype=torch.int64), group=pg, group_src=0)
     receiver.join()
+    if args.mode == "lora" and args.http:
+        out.update(http_pushes(args, trainer))
+    return out
+
+
+# ------------------------------------------------------------------ pushes into a real SGLang server
+def _port() -> int:
+    import socket
+
+    for port in range(31700, 31800):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 31700-31799")
+
+
+def http_pushes(args: argparse.Namespace, trainer) -> dict:
+    """The adapter push through `TrainerPush` into a real LoRA-enabled server (module docstring)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from megatron_rl.config.trainer import LORA_TARGETS
+    from megatron_rl.rollout.adapters import adapter_name, lora_server_args
+    from megatron_rl.rollout.server import ServerSpec, SGLangServer
+    from megatron_rl.sync.sender import SyncTarget
+    from megatron_rl.sync.trainer_push import TrainerPush
+    from megatron_rl.train.hf_source import resolve_model
+    from megatron_rl.train.hf_weights import export_hf_tensors
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    out: dict = {}
+    try:
+        source = resolve_model(args.model)
+        config = source.config()
+        config.dtype = "float32"
+        config.save_pretrained(folder)
+        source.tokenizer().save_pretrained(folder)
+        state = {n: t.detach().cpu().clone() for n, t in export_hf_tensors(trainer.model_chunks)}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        spec = ServerSpec(model_path=str(folder), port=_port(), max_total_tokens=1024, dtype="float32",
+                          log_path=str(folder / "server.log"), threads=1, startup_timeout_s=900,
+                          extra_args=lora_server_args(args.rank, LORA_TARGETS))
+        t0 = time.perf_counter()
+        with SGLangServer(spec) as server:
+            _progress(f"lora: LoRA-enabled server up in {time.perf_counter() - t0:.1f} s")
+            pusher = TrainerPush(trainer.model_chunks, args.bucket_mb, "127.0.0.1", adapters=True,
+                                 base_model=str(folder))
+            target = SyncTarget(server.url, 1, 0)
+            times, report = [], None
+            for version in range(1, args.push_reps + 2):  # the first: warm-up
+                t0 = time.perf_counter()
+                report = pusher.push(version, [target])
+                assert adapter_name(version) in server.client.loaded_adapters()  # what finish_update checks
+                times.append(time.perf_counter() - t0)
+                if version > 1:
+                    server.client.unload_lora_adapter(adapter_name(version - 1))
+            out["http_adapter_s"] = min(times[1:])
+            out["http_adapter_bytes"], out["http_adapter_tensors"] = report.bytes, report.tensors
+            _progress(f"lora: HTTP adapter push {report.bytes / 2**20:.2f} MiB, {report.tensors} tensors, "
+                      f"{[round(t, 3) for t in times]} s (first: warm-up)")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -195,8 +274,17 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     ad_bytes, ad_s = lora["push_adapters_bytes"] / mb, med("lora", "push_adapters_s")
     print(f"{'adapter-only push (MiB, s)':28}{'':12}{ad_bytes:12.2f}{ad_bytes / rows[2][1]:10.4f}x bytes")
     print(f"{'':28}{'':12}{ad_s:12.3f}{ad_s / rows[3][1]:10.4f}x time")
-    print(f"push today: the merged model ({full['push_merged_tensors']} tensors) in both modes, so the bytes are "
-          f"equal; an adapter push ({lora['push_adapters_tensors']} tensors) would send {ad_bytes:.2f} MiB")
+    print(f"gloo push: the merged model ({full['push_merged_tensors']} tensors) in both modes, so the bytes are "
+          f"equal; the adapters alone ({lora['push_adapters_tensors']} tensors) {ad_bytes:.2f} MiB")
+    if "http_adapter_s" in lora:
+        h_bytes, h_s = lora["http_adapter_bytes"] / mb, med("lora", "http_adapter_s")
+        m_bytes, m_s = lora["push_merged_bytes"] / mb, med("lora", "push_merged_s")
+        print(f"HTTP adapter push into a real SGLang server (TrainerPush, the server's load included), "
+              f"{lora['http_adapter_tensors']} tensors, vs the LoRA process's merged push (gloo, no server load):")
+        print(f"{'':28}{'merged':>12}{'adapter':>12}{'adapter/merged':>16}")
+        print(f"{'bytes (MiB)':28}{m_bytes:12.2f}{h_bytes:12.2f}{h_bytes / m_bytes:15.4f}x")
+        print(f"{'time (s)':28}{m_s:12.3f}{h_s:12.3f}{h_s / m_s:15.4f}x")
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def main() -> None:
@@ -217,6 +305,8 @@ def main() -> None:
                          "without AVX512-BF16 / AMX)")
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--push-reps", type=int, default=2, help="timed pushes per kind; the best is reported")
+    ap.add_argument("--no-http", dest="http", action="store_false",
+                    help="skip the HTTP adapter push into a real SGLang server")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per process")
     ap.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = ap.parse_args()

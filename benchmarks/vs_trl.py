@@ -211,7 +211,7 @@ def trl_figures(result: dict, t_launch: float, t_exit: float, n_steps_per_update
 def _fmt(value: float | None, kind: str) -> str:
     if value is None:
         return "n/a"
-    return {"s": f"{value:.1f}", "gib": f"{value / 2**20:.2f}", "p": f"{value:.3f}", "x": f"{value:.2f}x"}[kind]
+    return {"s": f"{value:.1f}" if abs(value) >= 1 else f"{value:.2f}", "gib": f"{value / 2**20:.2f}", "p": f"{value:.3f}", "x": f"{value:.2f}x"}[kind]
 
 
 COLUMNS = [("s/update", "s_per_update", "s"), ("to the end of update 1 (s)", "to_update1_s", "s"),

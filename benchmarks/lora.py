@@ -169,19 +169,6 @@ def child(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------ pushes into a real SGLang server
-def _port() -> int:
-    import socket
-
-    for port in range(31700, 31800):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 31700-31799")
-
-
 def http_pushes(args: argparse.Namespace, trainer) -> dict:
     """The adapter push through `TrainerPush` into a real LoRA-enabled server (module docstring)."""
     import shutil
@@ -192,6 +179,7 @@ def http_pushes(args: argparse.Namespace, trainer) -> dict:
     from megatron_rl.config.trainer import LORA_TARGETS
     from megatron_rl.rollout.adapters import adapter_name, lora_server_args
     from megatron_rl.rollout.server import ServerSpec, SGLangServer
+    from megatron_rl.sync.group import free_port
     from megatron_rl.sync.sender import SyncTarget
     from megatron_rl.sync.trainer_push import TrainerPush
     from megatron_rl.train.hf_source import resolve_model
@@ -210,7 +198,7 @@ def http_pushes(args: argparse.Namespace, trainer) -> dict:
             state.pop("lm_head.weight", None)
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         del state
-        spec = ServerSpec(model_path=str(folder), port=_port(), max_total_tokens=1024, dtype="float32",
+        spec = ServerSpec(model_path=str(folder), port=free_port(), max_total_tokens=1024, dtype="float32",
                           log_path=str(folder / "server.log"), threads=1, startup_timeout_s=900,
                           extra_args=lora_server_args(args.rank, LORA_TARGETS))
         t0 = time.perf_counter()

@@ -3,7 +3,6 @@ after the push, greedy tokens and every reported logprob equal HF + PEFT's with 
 scaling (alpha) is caught; an update while a turn runs leaves that turn on its adapter (tokens equal a run
 of that adapter alone, all stamped with its version) while new turns take the new one; the base weights are
 never sent (the server's own weight version stays the disk's)."""
-import socket
 import time
 
 import pytest
@@ -15,23 +14,12 @@ from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.server import ServerSpec, SGLangServer
 from megatron_rl.sync.adapter_push import AdapterSender
 from megatron_rl.sync.update import target_of
+from support.net import free_port
 
 pytestmark = pytest.mark.e2e
 
 RANK, ALPHA = 4, 8.0
 PROMPTS = [[0, 5, 6, 7], [0, 40, 41, 42, 43, 44]]
-
-
-def _port() -> int:
-    """A free port in 31500-31599 (the range these tests may use on shared machines)."""
-    for port in range(31500, 31600):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 31500-31599")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +33,7 @@ def adapters(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def gen(tiny_llama_dir, tmp_path_factory):
     targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-    spec = ServerSpec(model_path=str(tiny_llama_dir), port=_port(), max_total_tokens=4096, dtype="float32",
+    spec = ServerSpec(model_path=str(tiny_llama_dir), port=free_port(), max_total_tokens=4096, dtype="float32",
                       log_path=str(tmp_path_factory.mktemp("sglang_lora") / "server.log"), threads=1,
                       extra_args=lora_server_args(RANK, targets))
     with Generator(SGLangServer(spec), RolloutConfig(), GeneratorConfig(), adapter_push=True) as g:

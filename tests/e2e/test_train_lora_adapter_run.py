@@ -22,7 +22,6 @@ sync/adapter_push.serialize (clone: pickle writes a view's whole storage) each p
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ import yaml
 from megatron_rl.control.metrics import METRICS_FILE, read_jsonl
 from megatron_rl.data.synthetic import addition_problems
 from megatron_rl.rollout.client import SGLangClient, SGLangHTTPError
+from support.net import free_port
 from support.runs import launch_train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(900)]  # about 4 min on the loaded 2-core CPU
@@ -44,18 +44,6 @@ RANK, ALPHA, LAYERS = 4, 8.0, 2
 PROBE = [0, 5, 6, 7, 8]  # token ids of the probing requests
 PROBE_TOKENS = 12
 LOGPROB_TOL = 1e-4  # fp32 server vs fp32 HF of a 2-layer, 64-wide model: measured <= 5e-7
-
-
-def _port() -> int:
-    """A free port in 31700-31799 (this test's range on shared machines)."""
-    for port in range(31700, 31800):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 31700-31799")
 
 
 def _greedy(client: SGLangClient, adapter: str | None = None) -> tuple[list[int], list[float]]:
@@ -152,7 +140,7 @@ def test_a_lora_run_pushes_only_adapters_and_the_base_on_the_generator_never_cha
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    port = _port()
+    port = free_port()
     cfg = _config(tmp_path, tiny_llama_dir, port)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -327,6 +327,19 @@ def common_overrides(args) -> list[str]:
             f"run.updates={args.updates}", f"run.eval_every={args.updates}", "run.eval_at_start=false", *args.extra]
 
 
+def run_measured(cmd: list[str], env: dict, log: Path, pss_every: float, what: str) -> tuple[float, float, int]:
+    """Run `cmd` to its end with its output in `log`: (start, end, peak summed PSS of its tree in KiB)."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        with PeakPss(proc.pid, pss_every) as mem:
+            rc = proc.wait()
+    t1 = time.time()
+    if rc != 0:
+        raise SystemExit(f"{what} failed (exit {rc}); its output: {log}")
+    return t0, t1, mem.peak_kib
+
+
 def run_ours(args, seed: int, out: Path) -> RunFigures:
     run_dir = out / f"ours-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (run.resume: fresh)
@@ -336,17 +349,9 @@ def run_ours(args, seed: int, out: Path) -> RunFigures:
            f"run.output_dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     print(f"[ours seed {seed}] {' '.join(cmd)}", flush=True)
-    log = out / f"ours-seed{seed}.log"
-    t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        with PeakPss(proc.pid, args.pss_every) as mem:
-            rc = proc.wait()
-    t1 = time.time()
-    if rc != 0:
-        raise SystemExit(f"our run failed (exit {rc}); its output: {log}")
+    t0, t1, peak_kib = run_measured(cmd, env, out / f"ours-seed{seed}.log", args.pss_every, "our run")
     fig = ours_figures(read_metrics(run_dir / "metrics.jsonl"), t0, t1, args.updates)
-    fig.peak_pss_kib = mem.peak_kib
+    fig.peak_pss_kib = peak_kib
     save_figures(fig, out / f"ours-seed{seed}.figures.json")
     return fig
 
@@ -360,19 +365,11 @@ def run_trl(args, seed: int, out: Path) -> RunFigures:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # nothing of our venv leaks in
     print(f"[TRL seed {seed}] {' '.join(cmd)}", flush=True)
-    log = out / f"trl-seed{seed}.log"
-    t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        with PeakPss(proc.pid, args.pss_every) as mem:
-            rc = proc.wait()
-    t1 = time.time()
-    if rc != 0:
-        raise SystemExit(f"the TRL run failed (exit {rc}); its output: {log}")
+    t0, t1, peak_kib = run_measured(cmd, env, out / f"trl-seed{seed}.log", args.pss_every, "the TRL run")
     result = json.loads(result_path.read_text())
     n_mini = result["grpo_config"]["steps_per_generation"]
     fig = trl_figures(result, t0, t1, n_mini)
-    fig.peak_pss_kib = mem.peak_kib
+    fig.peak_pss_kib = peak_kib
     fig.notes.append(f"TRL: trl {result['versions']['trl']}, transformers {result['versions']['transformers']}, "
                      f"torch {result['versions']['torch']}, {result['threads']} threads; held-out evaluation "
                      f"{result['eval']['wall_s']:.0f} s for {result['eval']['problems']} problems")

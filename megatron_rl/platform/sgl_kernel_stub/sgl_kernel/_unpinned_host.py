@@ -6,9 +6,7 @@ the stub is imported (SGLang's CPU engine imports `sgl_kernel` at start-up, in e
 as a patch applied right after SGLang's module is executed (or at once if it already was)."""
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
+from ._on_import import patch_on_import
 
 POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
 
@@ -21,23 +19,5 @@ def _patch(module) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != POOL_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def install() -> None:
-    if POOL_MODULE in sys.modules:
-        _patch(sys.modules[POOL_MODULE])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(lambda name: name == POOL_MODULE, _patch)

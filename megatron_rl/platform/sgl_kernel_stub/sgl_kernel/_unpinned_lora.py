@@ -5,12 +5,11 @@ accelerator. Pinning only speeds up copies to a GPU; on the CPU engine there is 
 `Tensor.pin_memory` returns the tensor itself (it can only raise on this torch)."""
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 import types
 
 import torch
+
+from ._on_import import patch_on_import
 
 PACKAGE = "sglang.srt.lora"
 _FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like")
@@ -42,29 +41,8 @@ def _unpinned_pin_memory(self, *args, **kwargs):
     return self
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if not (name == PACKAGE or name.startswith(PACKAGE + ".")):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def install() -> None:
     if torch.accelerator.is_available():
         return
     torch.Tensor.pin_memory = _unpinned_pin_memory
-    for name, module in list(sys.modules.items()):
-        if name == PACKAGE or name.startswith(PACKAGE + "."):
-            _patch(module)
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(lambda name: name == PACKAGE or name.startswith(PACKAGE + "."), _patch)

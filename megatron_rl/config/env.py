@@ -44,4 +44,6 @@ class EnvConfig:
         check(self.tool_concurrency is None or self.tool_concurrency >= 1, f"{key}.tool_concurrency",
               "must be >= 1 or null")
         check(self.max_consecutive_failures >= 1, f"{key}.max_consecutive_failures", "must be >= 1")
+        check("reward_config" not in self.args, f"{key}.args.reward_config",
+              "is given by the run (its reward section) to an environment that takes it; set the reward keys instead")
         # the environment loads (a plug-in's import runs code): pre-flight (control.preflight.check_config)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from megatron_rl.config import RewardConfig, config_from_dict
+from megatron_rl.config import ConfigError, RewardConfig, config_from_dict
 from megatron_rl.control.episodes import environment_args
 from megatron_rl.env import PythonTests, StepResult, ToolSlots, make_environment
 from megatron_rl.env.python_tests import verdict
@@ -102,6 +102,8 @@ def test_the_runs_reward_config_sets_the_limits_of_run_tests():
     assert text == "2 of 2 tests passed"
     assert "reward_config" not in environment_args(config_from_dict({"env": {"name": "python"}}))
     assert isinstance(PythonTests().reward_config, RewardConfig)
+    with pytest.raises(ConfigError, match=r"^env.args.reward_config: is given by the run"):
+        config_from_dict({"env": {"name": "python_tests", "args": {"reward_config": {}}}})
 
 
 def test_verdict_shows_counts_and_statuses_only():

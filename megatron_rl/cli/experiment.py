@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="directory with problems.jsonl (and eval.jsonl) (default: made in PREP by "
                         "the experiment's prepare.data script, else the demo's)")
     parser.add_argument("--teacher", help="HF directory the experiment's distilling arms (its `teacher` key) distil "
-                        "from, instead of the RL run made in PREP, e.g. runs/cpu_demo/rl-hf")
+                        "from, e.g. runs/cpu_demo/rl-hf (default: the RL run made once in PREP/NAME/teacher-hf)")
     parser.add_argument("--prepare-dir", help="where data and the SFT model are made once (default OUT/../_prepare)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run, e.g. "
                         "rollout.n_batch=8")

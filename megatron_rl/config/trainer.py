@@ -7,8 +7,11 @@ from typing import Literal
 from megatron_rl.config.tree import check
 
 # Megatron's names of the linear layers LoRA can adapt (docs/train.md "LoRA"): the fused q/k/v and the
-# attention output projection, the fused [gate; up] MLP input and the MLP output.
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# attention output projection, the fused [gate; up] MLP input and the MLP output; each with the HF PEFT
+# projections it stands for, in its fused order.
+LORA_PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                     "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+LORA_TARGETS = tuple(LORA_PEFT_MODULES)
 # SGLang flags the adapter push (trainer.lora.push: adapter) sets on the generators from trainer.lora
 # (rollout/adapters.lora_server_args); generator.extra_args must not set them too
 LORA_SERVER_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths")

@@ -95,21 +95,26 @@ def check_lora(cfg: Config, source) -> None:
     dims = model_dims(source.config(), cfg.trainer.tensor_parallel)
     check_lora_model(LoraSpec.from_config(cfg.trainer.lora), dims, te_available(), cfg.trainer.recompute)
     if cfg.trainer.lora.push == "adapter":
-        from megatron_rl.train.hf_cache import check_family
         from megatron_rl.train.moe import MOE_MODEL_TYPES
 
-        family = "llama" if source.gguf_file else check_family(source.path)
+        family = model_family(source)
         if family in MOE_MODEL_TYPES:
             raise ConfigError(f"trainer.lora.push: adapter on an MoE model ({family}) is not supported (SGLang's "
                               "LoRA with this project's MoE families is unverified); use merged")
 
 
+def model_family(source) -> str:
+    """The trained model's family (its HF model_type; a GGUF checkpoint is a Llama)."""
+    from megatron_rl.train.hf_cache import check_family
+
+    return "llama" if source.gguf_file else check_family(source.path)
+
+
 def check_routing_replay(source) -> None:
     """ConfigError naming algo.routing_replay when the trained model has no MoE router to replay."""
-    from megatron_rl.train.hf_cache import check_family
     from megatron_rl.train.moe import MOE_MODEL_TYPES
 
-    family = "llama" if source.gguf_file else check_family(source.path)
+    family = model_family(source)
     if family not in MOE_MODEL_TYPES:
         raise ConfigError(f"algo.routing_replay: trainer.model is a dense {family} model; routing replay needs an "
                           f"MoE family ({', '.join(MOE_MODEL_TYPES)})")

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import threading
 
+from megatron_rl.config.trainer import LORA_PEFT_MODULES
 from megatron_rl.platform import has_cuda
+from megatron_rl.rollout.server import sets_flag
 
 PREFIX = "policy-v"
-# PEFT's projections of the Megatron targets (train/lora_weights.TARGETS), as --lora-target-modules takes them
-PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 
 
 def adapter_name(version: int) -> str:
@@ -30,9 +29,9 @@ def lora_server_args(rank: int, targets: list[str] | tuple[str, ...], extra_args
     """SGLang flags for a server that takes pushed adapters of rank `rank` on `targets` (Megatron names).
     The LoRA kernel backend is SGLang's default (csgmv, triton) on CUDA and torch_native on CPU (the only
     one without triton; the sgl_kernel stub lets it allocate unpinned), unless extra_args name one."""
-    modules = [m for t in targets for m in PEFT_MODULES[t]]
+    modules = [m for t in targets for m in LORA_PEFT_MODULES[t]]  # as --lora-target-modules takes them
     args = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules]
-    if not has_cuda() and not any(a == "--lora-backend" or a.startswith("--lora-backend=") for a in extra_args):
+    if not has_cuda() and not sets_flag(extra_args, "--lora-backend"):
         args += ["--lora-backend", "torch_native"]
     return args
 

@@ -79,13 +79,18 @@ class ServerSpec:
             cmd += ["--base-gpu-id", str(self.gpu_ids[0])]
         if not self.overlap_schedule:
             cmd += ["--disable-overlap-schedule"]
-        if not any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_args):
+        if not sets_flag(self.extra_args, "--dtype"):
             cmd += ["--dtype", self.dtype or checkpoint_dtype(self.model_path)]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.tp_size > 1:
             cmd += ["--tp-size", str(self.tp_size)]
         return cmd + list(self.extra_args)
+
+
+def sets_flag(args, flag: str) -> bool:
+    """Whether command-line `args` give `flag`, as `--flag value` or `--flag=value` (the user's choice)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def checkpoint_dtype(model_path: str | Path) -> str:

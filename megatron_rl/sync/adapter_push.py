@@ -76,5 +76,3 @@ class AdapterSender:
             sent = sum(pool.map(load, targets))
         return PushReport(version, tensors=len(tensors), bytes=sent, send_s=time.perf_counter() - start,
                           mode="adapter")
-
-

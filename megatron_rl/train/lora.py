@@ -55,19 +55,15 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import ConfigError
-from megatron_rl.config.trainer import LORA_TARGETS
+from megatron_rl.config.trainer import LORA_PEFT_MODULES, LORA_TARGETS
 from megatron_rl.train import lora_rules
 
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 # Megatron layer -> (its module path inside a transformer layer, PEFT's projections in fused order)
-TARGETS = {
-    "linear_qkv": ("self_attention.linear_qkv", ("q_proj", "k_proj", "v_proj")),
-    "linear_proj": ("self_attention.linear_proj", ("o_proj",)),
-    "linear_fc1": ("mlp.linear_fc1", ("gate_proj", "up_proj")),
-    "linear_fc2": ("mlp.linear_fc2", ("down_proj",)),
-}
+_PATHS = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
+          "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+TARGETS = {t: (_PATHS[t], projections) for t, projections in LORA_PEFT_MODULES.items()}
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
-assert tuple(TARGETS) == LORA_TARGETS
 
 
 @dataclass(frozen=True)

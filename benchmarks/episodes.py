@@ -13,7 +13,9 @@
    tokens/s of each and their ratio (target: >= 0.8 when the tool's time is below a turn's decode time),
    the generator's busy fraction while tools run (of the time tools ran, the share during which the
    server was decoding or prefilling some other request), and the cached share of the turns' prompt
-   tokens.
+   tokens. The multi-turn episodes run twice: admission counting every episode against `--in-flight`,
+   and with `--extra-in-flight` more admitted while episodes wait on their tool (env.extra_in_flight:
+   control/budget.flight_room on the generator's `env_waiting`): the controller's two regimes.
 2. Tool overhead. `PythonTool.step` on a `print(1)` tool call vs the bare sandbox run of the same code
    (`Jail.run` with the tool's limits), medians over `--calls`, interleaved: the environment's per-call
    overhead (parsing, workspace, slots, observation).
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from megatron_rl.control.budget import flight_room  # noqa: E402
 from megatron_rl.data.prompts import get_template  # noqa: E402
 from megatron_rl.data.turns import ChatTurns  # noqa: E402
 from megatron_rl.env import Environment, PythonTool, StepResult  # noqa: E402
@@ -71,7 +74,7 @@ def covered(spans: list[tuple[float, float]], by: list[tuple[float, float]]) -> 
     return sum(max(0.0, min(b, y) - max(a, x)) for a, b in spans for x, y in merged)
 
 
-def run_mode(gen, prompt, n, in_flight, turns, turn_tokens, tool_s, chat) -> dict:
+def run_mode(gen, prompt, n, in_flight, turns, turn_tokens, tool_s, chat, extra: int = 0) -> dict:
     multi, calls = turns > 1, []
     gen.episodes = EpisodeSetup(lambda: FixedCostTool(turns, tool_s, calls) if multi else FixedCostTool(1, 0.0),
                                 EpisodeLimits(turns, turn_tokens if multi else None, 64), chat if multi else None)
@@ -82,10 +85,15 @@ def run_mode(gen, prompt, n, in_flight, turns, turn_tokens, tool_s, chat) -> dic
     try:
         issued, rollouts = 0, []
         while len(rollouts) < n:
-            while issued < n and issued - len(rollouts) < in_flight:
+            # the controller's admission (control/budget.flight_room) on the generator's own count
+            while issued < n and flight_room(in_flight, extra, issued - len(rollouts), gen.env_waiting) > 0:
                 gen.submit_group(GroupRequest(f"g{issued}", prompt, [0], sampling=sampling))
                 issued += 1
-            rollouts.append(next(gen.completions(1, timeout=1800)))
+            r = gen.get(timeout=0.005)  # polled: admission follows the tool waits too
+            if r is not None:
+                rollouts.append(r)
+            elif time.perf_counter() - t0 > 1800:
+                raise TimeoutError(f"{len(rollouts)} of {n} samples in 30 min")
         wall = time.perf_counter() - t0
     finally:
         gen.server.client = client.client
@@ -124,6 +132,8 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=48)
     p.add_argument("--tool-ms", type=float, default=100.0)
+    p.add_argument("--extra-in-flight", type=int, default=None,
+                   help="env.extra_in_flight of the admitting arm (default: --in-flight)")
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--server-arg", action="append", default=[], help="extra SGLang server argument (repeatable)")
@@ -142,12 +152,17 @@ def main() -> int:
         prompt = tok(tok.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False).input_ids
         in_flight = args.episodes if args.lockstep else args.in_flight
-        with running_generator(model, Path(tmp), group_size=1, threads=1, extra_args=args.server_arg) as gen:
+        extra = 0 if args.lockstep else in_flight if args.extra_in_flight is None else args.extra_in_flight
+        with running_generator(model, Path(tmp), group_size=1, concurrency=in_flight + extra, threads=1,
+                               extra_args=args.server_arg) as gen:
             run_mode(gen, prompt, 2, 2, 2, 8, 0.0, chat)  # warm-up: server caches, first requests
-            multi, single = [], []
+            multi, admitting, single = [], [], []
             for _ in range(args.pairs):
                 multi.append(run_mode(gen, prompt, args.episodes, in_flight, args.turns, args.turn_tokens,
                                       args.tool_ms / 1000, chat))
+                if extra:
+                    admitting.append(run_mode(gen, prompt, args.episodes, in_flight, args.turns, args.turn_tokens,
+                                              args.tool_ms / 1000, chat, extra))
                 single.append(run_mode(gen, prompt, args.episodes, in_flight, 1, args.turns * args.turn_tokens, 0.0,
                                        chat))
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
@@ -156,10 +171,15 @@ def main() -> int:
           f"turns x {args.turn_tokens} tokens, tool {args.tool_ms:g} ms per call (a turn decodes in "
           f"~{decode_s * 1000:.0f} ms at this concurrency); {args.pairs} pairs")
     print(f"  single-turn  {med(single, 'tokens_per_s'):8.1f} sampled tokens/s  ({med(single, 'sampled'):.0f} tokens)")
-    print(f"  multi-turn   {med(multi, 'tokens_per_s'):8.1f} sampled tokens/s  ({med(multi, 'sampled'):.0f} tokens)")
-    print(f"  ratio multi / single: {med(multi, 'tokens_per_s') / med(single, 'tokens_per_s'):.2f} (target >= 0.8)")
-    print(f"  generator busy while tools ran: {med(multi, 'busy_in_tools'):.2f} of the tool time; cached share "
-          f"of the turns' prompt tokens: {med(multi, 'cached_frac'):.2f}")
+    arms = [("multi-turn", multi, "n_async counts every episode")]
+    if admitting:
+        arms.append((f"multi-turn, extra_in_flight {extra}", admitting,
+                     f"up to {in_flight} outside tools, {in_flight + extra} in all"))
+    for name, rows, how in arms:
+        print(f"  {name}: {med(rows, 'tokens_per_s'):.1f} sampled tokens/s ({med(rows, 'sampled'):.0f} tokens; {how})")
+        print(f"    ratio to single-turn: {med(rows, 'tokens_per_s') / med(single, 'tokens_per_s'):.2f} (target >= 0.8); "
+              f"generator busy while tools ran: {med(rows, 'busy_in_tools'):.2f} of the tool time; cached share of "
+              f"the turns' prompt tokens: {med(rows, 'cached_frac'):.2f}")
     env_s, bare_s = tool_overhead(args.calls)
     print(f"python tool, median of {args.calls} calls: PythonTool.step {env_s * 1000:.1f} ms, bare sandbox run "
           f"{bare_s * 1000:.1f} ms, ratio {env_s / bare_s:.2f} (overhead {1000 * (env_s - bare_s):.1f} ms)")

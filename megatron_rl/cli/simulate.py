@@ -6,7 +6,7 @@
 
 Prints one table row per mode and the async / sync throughput ratio. A run config (CONFIG and its
 overrides) sets the pipeline's shape: generator.num_generators, rollout.n_async, n_batch, n_mini,
-group_size and max_staleness; `--calibrate` then fits the trainer, push and generator rates to
+group_size, max_staleness and env.extra_in_flight; `--calibrate` then fits the trainer, push and generator rates to
 RUN_DIR/metrics.jsonl (with episodes: their turns and tool time too); flags given explicitly win over
 both.
 """
@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--turns", type=int, default=None, help="model turns per episode (default 1 or --calibrate's)")
     a("--tool-s", type=float, default=None, help="seconds between two turns off the generator: a tool step "
                                                 "(default 0 or --calibrate's)")
+    a("--extra-in-flight", type=int, default=None, help="episodes admitted beyond n_async while others are in "
+                                                         "tools (env.extra_in_flight; default 0)")
     a("--prompt-len", type=int, default=None, help="prompt tokens per sequence, a trainer cost (default 0)")
     a("--drop-prob", type=float, default=None, help="probability a group is non-diverse (default 0 or --calibrate's)")
     a("--max-staleness", type=int, default=None, help="staleness bound (-1: unbounded; default 4)")
@@ -76,7 +78,8 @@ def params_of_config(cfg: Config, **rest) -> SimParams:
     """The pipeline shape of a run config (its rates are the simulator's defaults or flags)."""
     r = cfg.rollout
     return SimParams(generators=cfg.generator.num_generators, n_async=r.n_async, n_batch=r.n_batch,
-                     n_mini=r.n_mini, group=r.group_size, max_staleness=r.max_staleness, **rest)
+                     n_mini=r.n_mini, group=r.group_size, max_staleness=r.max_staleness,
+                     extra_in_flight=cfg.env.extra_in_flight, **rest)
 
 
 def calibrate_run(run_dir: str | Path, generators: int, n_async: int, **kw: Any) -> Calibration:
@@ -106,7 +109,8 @@ def build_params(args: argparse.Namespace) -> SimParams:
     direct = {"generators": args.generators, "n_async": args.n_async, "n_batch": args.n_batch,
               "n_mini": args.n_mini, "group": args.group, "prefill_s": args.prefill_s, "train_a_s": args.train_a,
               "train_b_s": args.train_b, "train_step_s": args.train_step_s, "push_s": args.push_s,
-              "prompt_len": args.prompt_len, "drop_prob": args.drop_prob, "turns": args.turns, "tool_s": args.tool_s}
+              "prompt_len": args.prompt_len, "drop_prob": args.drop_prob, "turns": args.turns, "tool_s": args.tool_s,
+              "extra_in_flight": args.extra_in_flight}
     for key, value in direct.items():
         if value is not None:
             setattr(p, key, value)

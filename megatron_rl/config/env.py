@@ -25,6 +25,10 @@ class EnvConfig:
     episode_timeout_s: float | None = None
     # Tool runs at once on a generator rank (the environments' shared ToolSlots); null: half its CPUs
     tool_concurrency: int | None = None
+    # Episodes started beyond rollout.n_async while others wait on their environment (a tool run): new ones
+    # start while fewer than n_async samples are outside an environment step and at most n_async + this many
+    # are in flight, so the generators keep decoding while tools run. 0: n_async counts every episode
+    extra_in_flight: int = 0
     # Episodes whose environment failed, in a row, that stop the run (each failed episode drops its group)
     max_consecutive_failures: int = 8
 
@@ -43,6 +47,9 @@ class EnvConfig:
               "must be > 0 or null (no deadline)")
         check(self.tool_concurrency is None or self.tool_concurrency >= 1, f"{key}.tool_concurrency",
               "must be >= 1 or null")
+        check(self.extra_in_flight >= 0, f"{key}.extra_in_flight", "must be >= 0")
+        check(self.extra_in_flight == 0 or self.multi_turn, f"{key}.extra_in_flight",
+              "only applies to multi-turn environments (the single-turn task never waits on one); set env.name")
         check(self.max_consecutive_failures >= 1, f"{key}.max_consecutive_failures", "must be >= 1")
         check("reward_config" not in self.args, f"{key}.args.reward_config",
               "is given by the run (its reward section) to an environment that takes it; set the reward keys instead")

@@ -1,7 +1,8 @@
 """The asynchronous rollout budget: what is in flight, which groups are complete, what to train on.
 
 Pure bookkeeping (no MPI, no I/O) so every rule is unit-tested:
-- keep up to `n_async` sequences in flight (groups of G samples of one problem are issued together),
+- keep up to `n_async` sequences in flight (groups of G samples of one problem are issued together;
+  up to `env.extra_in_flight` more while episodes wait on their environment, `flight_room`),
   and admit a group only if it can be consumed within the staleness bound (`free_group_slots`,
   AReaL-style admission: the batches already committed ahead of it are counted);
 - a group is complete when all G samples are graded; it gets group-centred advantages, or is
@@ -119,9 +120,19 @@ def token_staleness(rollouts, trainer_version: int) -> float:
     return trainer_version - sum(sum(v) for v in versions) / tokens
 
 
+def flight_room(n_async: int, extra: int, in_flight: int, waiting: int) -> int:
+    """Samples that may start now: at most `n_async` of those in flight outside an environment step
+    (`waiting` of them are in one: a tool run) and at most `n_async + extra` in flight in all
+    (env.extra_in_flight). With extra = 0 this is n_async - in_flight."""
+    busy = in_flight - min(waiting, in_flight)
+    return max(0, min(n_async + extra - in_flight, n_async - busy))
+
+
 class RolloutBudget:
-    def __init__(self, rollout: RolloutConfig, algo: AlgoConfig):
+    def __init__(self, rollout: RolloutConfig, algo: AlgoConfig, extra_in_flight: int = 0):
         self.cfg, self.algo = rollout, algo
+        self.extra_in_flight = extra_in_flight  # env.extra_in_flight: episodes admitted while others wait on tools
+        self.env_waiting = 0  # samples in an environment step on the generators (their latest reports)
         self.groups: dict[str, PendingGroup] = {}  # issued, not yet complete
         self.ready: deque[ReadySequence] = deque()
         self.requeue: deque[Problem] = deque()  # problems to sample again (stale drops, restarts)
@@ -153,7 +164,8 @@ class RolloutBudget:
         self.served_version = version
 
     def free_group_slots(self) -> int:
-        """How many new groups to start now: within n_async in flight, and admitted by the staleness bound.
+        """How many new groups to start now: within n_async in flight (beyond it by up to extra_in_flight
+        while episodes wait on their environment: flight_room), and admitted by the staleness bound.
 
         Admission (AReaL-style): batches are consumed in order, n_batch samples each, so a sample with c
         committed samples ahead of it goes at the latest into the batch trained at version
@@ -163,7 +175,7 @@ class RolloutBudget:
         One exception keeps the run going: while the trainer waits (nothing behind) and fewer than
         n_batch samples are committed, a group is started whatever the bound (G need not divide n_batch)."""
         g, n_batch = self.cfg.group_size, self.cfg.n_batch
-        by_flight = (self.cfg.n_async - self.in_flight) // g
+        by_flight = flight_room(self.cfg.n_async, self.extra_in_flight, self.in_flight, self.env_waiting) // g
         room = (self.cfg.max_staleness + 1 - self.batches_behind) * n_batch - self.committed
         by_staleness = max(0, room) // g
         if self.batches_behind == 0 and self.committed < n_batch:

@@ -49,6 +49,7 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
     rank = mailbox.rank
     try:
         gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,
+                        max_concurrency=cfg.rollout.n_async + cfg.env.extra_in_flight,
                         episodes=episode_setup(cfg, resolve_model(model_dir).tokenizer()),
                         record_boundaries=cfg.env.multi_turn,
                         routing=RoutingShape.of_model(model_dir) if cfg.algo.routing_replay else None,
@@ -63,6 +64,8 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
     incarnation = gen.incarnation
     idle_s = busy_s = 0.0
     last = time.perf_counter()
+    report_waits = cfg.env.extra_in_flight > 0  # else nobody reads it: no message per tool call
+    waiting = 0  # env_waiting as last reported: a change is reported (the controller's admission)
     try:
         while True:
             for _, msg in mailbox.poll(source=CONTROLLER):
@@ -81,9 +84,11 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
             else:
                 busy_s += now - last
             last = now
-            if finished or boundaries:
-                mailbox.send(CONTROLLER, RolloutsReport(finished, idle_s, busy_s, boundaries))
+            env_waiting = gen.env_waiting if report_waits else 0
+            if finished or boundaries or env_waiting != waiting:
+                mailbox.send(CONTROLLER, RolloutsReport(finished, idle_s, busy_s, boundaries, env_waiting))
                 idle_s = busy_s = 0.0
+                waiting = env_waiting
             if gen.incarnation != incarnation:  # the server died and was restarted with disk weights
                 incarnation = gen.incarnation
                 mailbox.send(CONTROLLER, status_of(gen))

@@ -162,6 +162,7 @@ class UpdateWindow:
     gen_idle_s: float = 0.0
     gen_busy_s: float = 0.0
     trainer_idle_s: float = 0.0
+    in_flight_peak: int = 0  # most training samples in flight at once (above n_async: env.extra_in_flight)
     t0: float = field(default_factory=time.time)
     per_update: list[tuple[dict, dict]] = field(default_factory=list)  # (train, batch and push) of each update
 
@@ -175,6 +176,7 @@ class UpdateWindow:
         row["grading/regraded"] = self.regraded
         row.update(episode_stats(self.graded))
         row["episode/env_failed"] = self.env_failed
+        row["in_flight_peak"] = self.in_flight_peak
         row.update({k if k.startswith(OWN_NAME_PREFIXES) else f"train/{k}": v
                     for k, v in train_values(train_metrics).items()})
         gen_total = self.gen_idle_s + self.gen_busy_s

@@ -39,6 +39,7 @@ class RolloutsReport:
     busy_s: float
     # turn boundaries episodes in flight reached since the last report (each before its rollout)
     boundaries: list[PartialEpisode] = field(default_factory=list)
+    env_waiting: int = 0  # its samples in an environment step now (admission: env.extra_in_flight)
 
 
 # ---------------------------------------------------------------- controller <-> first trainer

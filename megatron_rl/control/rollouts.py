@@ -1,8 +1,9 @@
 """The rollout flow: from a problem to graded samples in the budget.
 
-    fill     start groups of G samples as the budget admits them (n_async in flight, the staleness
-             bound: budget.free_group_slots); each group goes whole, as one records.GroupRequest, to
-             the least-loaded live generator (its G requests share the prompt's prefix cache)
+    fill     start groups of G samples as the budget admits them (n_async in flight, more while episodes
+             wait on tools as the generators report; the staleness bound: budget.free_group_slots); each
+             group goes whole, as one records.GroupRequest, to the least-loaded live generator (its G
+             requests share the prompt's prefix cache)
     collect  a generator's finished rollouts come back carrying the length stage they were requested
              under (`Rollout.stage`) and are sent to grading with it (the controller's own pool, or
              verifier ranks in turn)
@@ -97,7 +98,7 @@ class RolloutFlow:
                  log: RunLog, updates_done: Callable[[], int], eval_problems: list[Problem] | None = None):
         self.mailbox, self.layout, self.log, self.tokenizer = mailbox, layout, log, tokenizer
         self.updates_done = updates_done  # the trainer updates so far: the length stage in force
-        self.budget = RolloutBudget(cfg.rollout, cfg.algo)
+        self.budget = RolloutBudget(cfg.rollout, cfg.algo, cfg.env.extra_in_flight)
         self.queue = ProblemQueue(problems, cfg.data.seed, cfg.data.drop_solved_above)
         # system prompt (name, text or file), chat-template kwargs and the environment's tools
         self.template = prompt_template(cfg)
@@ -107,6 +108,7 @@ class RolloutFlow:
         self.length_stages = length_stages(cfg.rollout.length_schedule, cfg.rollout.max_new_tokens,
                                            cfg.reward)
         self.gen_load: dict[int, int] = {r: 0 for r in layout.generator_ranks}  # samples out per generator
+        self.env_waiting: dict[int, int] = {}  # per generator: its samples in an environment step (last report)
         self.dead_generators: set[int] = set()
         self.sample_owner: dict[Key, int] = {}  # the generator each sample in flight was sent to
         self.prompt_ids: dict[str, list[int]] = {}  # group id -> prompt token ids
@@ -139,6 +141,7 @@ class RolloutFlow:
             requests.append(self._request(group.group_id, range(self.budget.cfg.group_size)))
         if requests:
             self._issue(requests)
+        self.log.window.in_flight_peak = max(self.log.window.in_flight_peak, self.budget.in_flight)
 
     def reissue_outstanding(self) -> None:
         """After a resume: prompts of the checkpointed groups, and every sample not yet graded."""
@@ -196,6 +199,7 @@ class RolloutFlow:
         """A generator died: issue its samples to the live ones (under the stage now in force). False
         when none is left."""
         self.dead_generators.add(rank)
+        self._set_env_waiting(rank, 0)
         lost = [key for key, owner in self.sample_owner.items() if owner == rank]
         for key in lost:
             del self.sample_owner[key]
@@ -208,6 +212,7 @@ class RolloutFlow:
     def on_rollouts(self, rank: int, report: RolloutsReport) -> None:
         self.log.window.gen_idle_s += report.idle_s
         self.log.window.gen_busy_s += report.busy_s
+        self._set_env_waiting(rank, report.env_waiting)
         for b in report.boundaries:
             if self.sample_owner.get(b.key) == rank:  # else a sample issued elsewhere since, or answered
                 self.boundaries[b.key] = b
@@ -229,6 +234,10 @@ class RolloutFlow:
                                                       len(r.completion_ids), r.stage)))
         if items:
             self._submit_grades(items)
+
+    def _set_env_waiting(self, rank: int, n: int) -> None:
+        self.env_waiting[rank] = n
+        self.budget.env_waiting = sum(self.env_waiting.values())
 
     def _settled_by_episode(self, r: Rollout) -> bool:
         """An episode whose environment failed drops its group (never trained as reward 0; too many in a

@@ -16,8 +16,9 @@ Model (the rules of `control/controller.py` + `control/budget.py`, with measured
 - sync: issue enough groups for a batch, wait for all of them (the longest dominates), train, push;
 - episodes (`turns` > 1): a sequence's tokens are decoded in `turns` turns of equal share; between two
   turns it leaves its generator for `tool_s` seconds (the environment's step: a tool run), still in
-  flight for the budget, and its next turn is a new request (another `prefill_s`); a push while it
-  waits makes its next turn's tokens the new version's.
+  flight for the budget (beyond `n_async` up to `extra_in_flight` more are admitted while sequences
+  are in tools: env.extra_in_flight), and its next turn is a new request (another `prefill_s`); a push
+  while it waits makes its next turn's tokens the new version's.
 Figures are taken over a steady-state window: from the end of update `warmup_updates` to the end of
 the last update (cycle boundaries, so deterministic cases reproduce closed forms exactly).
 """
@@ -53,6 +54,7 @@ class SimParams:
     lengths: LengthDist = field(default_factory=LengthDist)  # model-sampled tokens of a sequence (all its turns)
     turns: int = 1  # model turns per sequence (episode)
     tool_s: float = 0.0  # seconds between two turns, off the generator (an environment step)
+    extra_in_flight: int = 0  # env.extra_in_flight: sequences admitted beyond n_async while others are in tools
     prompt_len: int = 0  # tokens per prompt (trainer cost only)
     drop_prob: float = 0.0  # probability that a finished group is non-diverse
     max_staleness: int | None = 4  # None: unbounded
@@ -70,6 +72,7 @@ class SimParams:
                   (min(self.prefill_s, self.train_a_s, self.train_b_s, self.train_step_s, self.push_s,
                        self.tool_s) >= 0, "times must be >= 0"),
                   (self.turns >= 1, "turns must be >= 1"),
+                  (self.extra_in_flight >= 0, "extra_in_flight must be >= 0"),
                   (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None"),
                   (0 <= self.warmup_updates < self.updates, "need 0 <= warmup_updates < updates"),
                   (self.prompt_len >= 0, "prompt_len must be >= 0")]
@@ -249,11 +252,16 @@ class _Sim:
     def _fill(self) -> None:
         p = self.p
         if self.mode == "async":
-            while p.n_async - self.in_flight >= p.group and self._admits():
+            while self._flight_room() >= p.group and self._admits():
                 self._start_group()
         elif self.in_flight == 0 and self.phase == "idle" and len(self.ready) < p.n_batch:
             for _ in range(math.ceil((p.n_batch - len(self.ready)) / p.group)):
                 self._start_group()
+
+    def _flight_room(self) -> int:
+        """control/budget.flight_room: n_async outside tools, n_async + extra_in_flight in all."""
+        p = self.p
+        return min(p.n_async + p.extra_in_flight - self.in_flight, p.n_async - (self.in_flight - len(self.in_tool)))
 
     def _admits(self) -> bool:
         """RolloutBudget.free_group_slots: one more group fits the committed-batches bound."""

@@ -56,6 +56,7 @@ def play(gen, tok, newline, make_env, turns=5, turn_tokens=10, cap=200, resume=N
         (r,) = gen.completions(timeout=600)
     finally:
         gen.server.client = recorded.client
+    assert gen.env_waiting == 0  # an ended episode waits on nothing (the controller's admission reads it)
     return r, recorded.calls, chat
 
 
@@ -159,6 +160,26 @@ def test_a_failing_environment_fails_its_episode_not_the_generator(gen, tok, new
     assert r.episode.stop == "env_error" and "EnvFailure" in r.episode.error and "scripted failure" in r.episode.error
     assert len(calls) == 2 and made[0].closed
     assert issubclass(EnvFailure, RuntimeError)
+
+
+class SeesWaiting(Echo):
+    """Echo that records, at each step, how many samples the generator counts in an environment step."""
+
+    def __init__(self, gen, seen, **kw):
+        super().__init__(**kw)
+        self.gen, self.seen = gen, seen
+
+    def step(self, turn):
+        self.seen.append(self.gen.env_waiting)
+        return super().step(turn)
+
+
+def test_a_sample_between_turns_counts_as_waiting_on_its_environment(gen, tok, newline):
+    """Generator.env_waiting (env.extra_in_flight's admission): 1 while the episode's environment steps,
+    between its turns; 0 once it ended (play checks)."""
+    seen = []
+    r, calls, _ = play(gen, tok, newline, lambda: SeesWaiting(gen, seen, turns=3))
+    assert len(calls) == 3 and seen == [1, 1, 1]
 
 
 class KillServerAfterFirstTurn(Echo):

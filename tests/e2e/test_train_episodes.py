@@ -1,6 +1,7 @@
 """`megatron-rl train` with multi-turn episodes (env.name: echo) under mpiexec: two real updates whose
 batches hold environment tokens, where the trainer's loss counts exactly the batch's model-sampled
-tokens, and the metrics line reports the episodes; and episodes in flight through a kill -9 and a
+tokens, the metrics line reports the episodes and episodes waiting on a slow tool let more start
+(env.extra_in_flight); and episodes in flight through a kill -9 and a
 SIGTERM, each continued by `--resume` from its last turn boundary, every group trained once."""
 from __future__ import annotations
 
@@ -43,13 +44,17 @@ def test_two_updates_of_echo_episodes(tmp_path, tiny_llama_dir, free_port):
         "generator": {"max_total_tokens": 4096, "port_base": 34000 + free_port % 2000},
         "reward": {"custom": f"{PLUGINS}:digit_share", "l_max": 64, "l_cache": 8,
                    "language_check": False, "verifier_workers": 1},
-        "env": {"name": "echo", "args": {"turns": 2}, "max_turns": 3, "max_turn_tokens": 12},
+        # each step is a 0.5 s tool: while episodes wait on it, up to 8 more start (env.extra_in_flight)
+        "env": {"name": "echo", "args": {"turns": 2, "delay_s": 0.5}, "max_turns": 3, "max_turn_tokens": 12,
+                "extra_in_flight": 8},
         "data": {"source": "jsonl", "path": str(addition_problems(tmp_path / "problems.jsonl", 16)),
                  "system_prompt": "none"},
         "run": {"output_dir": str(tmp_path / "run"), "updates": 2, "checkpoint_every": 0},
     }
     rows = train_to_the_end(tmp_path, cfg)
     assert [r["update"] for r in rows] == [1, 2]
+    # the generator reported its episodes in tools and the controller admitted groups beyond n_async = 8
+    assert 8 < max(r["in_flight_peak"] for r in rows) <= 16
     for r in rows:
         # the loss counts the model's tokens of the batch, not its environment tokens
         assert r["train/loss_tokens"] == r["batch/loss_tokens"] < r["batch/tokens"]

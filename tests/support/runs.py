@@ -18,14 +18,14 @@ from support.net import free_port
 
 @contextmanager
 def running_generator(model_dir: Path, log_dir: Path, group_size: int = 2, max_total_tokens: int = 8192,
-                      **spec) -> Iterator[Generator]:
-    """A started Generator (its own SGLang server, prefix cache never reused across versions);
-    closed, with its server gone, on exit."""
+                      concurrency: int = 8, **spec) -> Iterator[Generator]:
+    """A started Generator (its own SGLang server, prefix cache never reused across versions, up to
+    `concurrency` samples running); closed, with its server gone, on exit."""
     server = ServerSpec(str(model_dir), free_port(), max_total_tokens=max_total_tokens,
                         log_path=str(log_dir / "server.log"), **spec)
     gen = Generator(SGLangServer(server), RolloutConfig(group_size=group_size, n_async=8, n_batch=group_size,
                                                         n_mini=1),
-                    GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=8)
+                    GeneratorConfig(prefix_cache_max_staleness=0), max_concurrency=concurrency)
     gen.start()
     try:
         yield gen

@@ -48,6 +48,8 @@ def test_round_trip_through_yaml(tmp_path):
     ({"generator": {"extra_args": "--x"}}, "generator.extra_args"),
     ({"data": {"source": "jsonl"}}, "data.path"),
     ({"trainer": []}, "trainer"),
+    ({"env": {"name": "echo", "extra_in_flight": -1}}, "env.extra_in_flight"),
+    ({"env": {"extra_in_flight": 4}}, "env.extra_in_flight"),  # the single-turn task never waits on a tool
 ])
 def test_invalid_values_name_the_key(tree, key):
     with pytest.raises(ConfigError) as err:

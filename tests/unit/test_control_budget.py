@@ -4,7 +4,7 @@ import random
 import pytest
 
 from megatron_rl.config import AlgoConfig, RolloutConfig
-from megatron_rl.control.budget import RolloutBudget, token_staleness
+from megatron_rl.control.budget import RolloutBudget, flight_room, token_staleness
 from megatron_rl.control.problems import ProblemQueue
 from megatron_rl.records import Problem, Rollout
 
@@ -33,6 +33,41 @@ def test_keeps_n_async_sequences_in_flight():
     assert b.in_flight == 9 and b.free_group_slots() == 0  # a group needs G free slots
     b.add_graded(_rollout(gid, 3, 1.0))
     assert b.in_flight == 8 and b.free_group_slots() == 1
+
+
+def test_flight_room_by_enumeration():
+    """Against its definition, over every small case: the samples that may start are the largest k with
+    (in flight + k) <= n_async + extra and (busy + k) <= n_async, busy = those not waiting on a tool."""
+    for n_async in range(1, 7):
+        for extra in range(0, 5):
+            for in_flight in range(0, n_async + extra + 3):
+                for waiting in range(0, in_flight + 2):
+                    busy = in_flight - min(waiting, in_flight)
+                    want = max([k for k in range(0, 20) if in_flight + k <= n_async + extra and busy + k <= n_async],
+                               default=0)
+                    assert flight_room(n_async, extra, in_flight, waiting) == want
+                    if extra == 0:
+                        assert want == max(0, n_async - in_flight)  # waits change nothing without extra
+
+
+def test_episodes_waiting_on_tools_free_slots_up_to_extra_in_flight():
+    b = RolloutBudget(RolloutConfig(group_size=4, n_async=8, n_batch=8, n_mini=2, max_staleness=3), AlgoConfig(),
+                      extra_in_flight=8)
+    [b.start_group(_problem(i)) for i in range(2)]
+    assert b.in_flight == 8 and b.free_group_slots() == 0
+    b.env_waiting = 3  # 3 episodes in tools: 5 decoding, a group of 4 does not fit the 3 free slots
+    assert b.free_group_slots() == 0
+    b.env_waiting = 4
+    assert b.free_group_slots() == 1
+    b.start_group(_problem(2))
+    b.env_waiting = 12  # all in tools: capped by n_async + extra = 16 in all
+    assert b.in_flight == 12 and b.free_group_slots() == 1
+    plain = RolloutBudget(RolloutConfig(group_size=4, n_async=8, n_batch=8, n_mini=2, max_staleness=3), AlgoConfig())
+    [plain.start_group(_problem(i)) for i in range(2)]
+    plain.env_waiting = 8
+    assert plain.free_group_slots() == 0  # extra_in_flight 0: every episode counts
+    b.env_waiting, b.cfg.max_staleness = 12, 0  # the staleness bound still holds: 12 committed > 1 batch
+    assert b.free_group_slots() == 0
 
 
 def test_group_centred_advantages_and_non_diverse_drop():

@@ -236,3 +236,20 @@ def test_enough_episodes_in_flight_hide_the_tools_and_a_push_during_a_tool_wait_
     trace = simulate(replace(base, turns=4, tool_s=0.5, train_a_s=0.2, keep_trace=True)).trace
     assert any(s["finish_version"] > s["start_version"] for s in trace)
     assert all(s["version_sum"] <= s["finish_version"] * s["length"] + 1e-6 for s in trace if s["finish_t"] >= 0)
+
+
+def test_extra_in_flight_keeps_n_async_decoding_while_episodes_wait_on_tools():
+    """env.extra_in_flight in the model: episodes in their tools free budget slots, so the generator keeps
+    about n_async sequences decoding (an episode back from its tool goes on at once, so briefly more) and
+    the throughput of a concurrency-bound generator rises; with single-turn samples it changes nothing."""
+    dec = DecodeModel(peak_tok_s=1000.0, c_half=16.0)
+    base = SimParams(generators=1, decode=dec, n_async=16, n_batch=16, n_mini=1, group=4, max_staleness=4,
+                     lengths=LengthDist("lognormal", mean=120, sigma=0.3), turns=3, tool_s=0.3, updates=30,
+                     warmup_updates=5)
+    plain, extra = simulate(base), simulate(replace(base, extra_in_flight=16))
+    assert plain.mean_in_flight < 0.85 * base.n_async  # tools hold budget slots off the generator
+    assert 0.9 * base.n_async < extra.mean_in_flight < base.n_async + 16
+    assert extra.generated_tokens_per_s > 1.1 * plain.generated_tokens_per_s
+    no_tools = replace(base, turns=1, tool_s=0.0)
+    assert simulate(replace(no_tools, extra_in_flight=16)).generated_tokens_per_s == pytest.approx(
+        simulate(no_tools).generated_tokens_per_s, **EXACT)

@@ -29,7 +29,7 @@ def _models(exp, model: str) -> dict[str, str]:
 
 
 def test_issue_19_experiments_exist_and_every_arm_is_a_valid_config(tmp_path, data_dir):
-    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync", "tool_use", "distill"} <= set(list_experiments())
+    assert {"batch_vs_minibatch", "adv_norm", "clip_higher", "async_vs_sync", "tool_use", "distill", "lora"} <= set(list_experiments())
     for name in list_experiments():
         exp = load_experiment(name)
         assert len(exp.arms) >= 2 and exp.seeds >= 2, name

@@ -7,15 +7,19 @@ Put this folder's parent on PYTHONPATH of the SGLang server process only
 (`megatron_rl.platform.sglang_cpu_env()` does that).
 Importing it also lets SGLang's routed-experts capture allocate its host buffer without CUDA
 (`_unpinned_host`) and SGLang's LoRA layers and torch_native LoRA backend (`--enable-lora
---lora-backend torch_native`) allocate their host index tensors unpinned (`_unpinned_lora`).
+--lora-backend torch_native`) allocate their host index tensors unpinned (`_unpinned_lora`), and makes
+the torch_native attention backend decode a batch in one SDPA call instead of one per request
+(`_batched_decode`).
 """
 import torch
 
+from ._batched_decode import install as _install_batched_decode
 from ._unpinned_host import install as _install_unpinned_host
 from ._unpinned_lora import install as _install_unpinned_lora
 
 _install_unpinned_host()
 _install_unpinned_lora()
+_install_batched_decode()
 
 __version__ = "0.0.0+megatron_rl_stub"
 

@@ -83,6 +83,8 @@ class Sample:
     request_id: str = ""  # of the request now on the server (one per turn and attempt)
     routes_from: int = 0  # first position its episode holds no routed experts of (routing replay)
     between_turns: bool = False  # a turn ended and the next has not begun: its environment's step runs
+    on_server: bool = False  # its current request was sent and has not come back
+    resend: bool = False  # aborted as not started when an update began: its turn is sampled again after it
 
 
 class Generator:
@@ -116,6 +118,7 @@ class Generator:
         self._send_gate = threading.Event()  # cleared during an update: hold new requests back
         self._send_gate.set()
         self._update_mode: PauseMode | None = None
+        self._in_place_updates = 0  # finished in_place updates (a request sent before one may prefill after it)
         self._dead: GeneratorDied | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency or self.rollout.n_async,
                                         thread_name_prefix=f"gen{generator_id}")
@@ -280,9 +283,11 @@ class Generator:
             self._send_gate.wait()
             if self._dead is not None or self._closed:
                 raise _ServerGone
-            incarnation = self.server.incarnation
-            s.request_id = f"{s.rid}-{s.attempts}-{uuid.uuid4().hex[:8]}"
-            s.streamed = 0  # each request (a turn, a turn again) streams from its first token
+            incarnation, in_place_updates, epoch = self.server.incarnation, self._in_place_updates, self.cache.epoch()
+            with self._lock:
+                s.request_id = f"{s.rid}-{s.attempts}-{uuid.uuid4().hex[:8]}"
+                s.streamed = 0  # each request (a turn, a turn again) streams from its first token
+                s.on_server, s.resend = True, False
             body = {"input_ids": context, "sampling_params": dict(s.sampling, max_new_tokens=max_new_tokens),
                     "return_logprob": True, "rid": s.request_id, "cache_salt": self.cache.salt()}
             if self.routing is not None:
@@ -297,14 +302,35 @@ class Generator:
                 turn = Turn.of(out, self.routing, s.routes_from)
                 if self.adapters is not None:  # the adapter it named sampled every token (adapters.py)
                     turn.versions = [version] * len(turn.ids)
+                elif s.resend or self._prefilled_after_update(turn, in_place_updates, epoch):
+                    continue  # nothing of it is kept: sampled again from the same context, under the new salt
                 s.routes_from = len(context) + len(turn.ids) - 1
                 return turn
             except ServerUnreachable as err:
                 if not self._recover(incarnation, err):
                     raise _ServerGone from err
             finally:
+                s.on_server = False
                 if self.adapters is not None:
                     self._unload(self.adapters.release(adapter))
+
+    def _prefilled_after_update(self, turn: Turn, in_place_updates: int, epoch: int) -> bool:
+        """The request was sent before an in_place update and prefilled after it (its first token has a
+        later version): its old cache salt let it reuse prompt KV the old weights computed, which its
+        new-version tokens would wrongly pass for theirs. begin_update aborts such requests; this catches
+        one that reached the server's queue only after those aborts."""
+        return (self._in_place_updates != in_place_updates and bool(turn.versions)
+                and self.cache.epoch(turn.versions[0]) != epoch)
+
+    def _abort_unstarted(self) -> None:
+        """Abort every request on the server that has streamed nothing yet (queued, or not far into its
+        first tokens): it is sent again after the update, under the new cache salt (_request_turn)."""
+        with self._lock:
+            unstarted = [s for s in self._pending.values() if s.on_server and s.streamed == 0]
+            for s in unstarted:
+                s.resend = True
+        for s in unstarted:
+            self.server.client.abort(s.request_id)
 
     def _count_tokens(self, s: Sample, n: int) -> None:
         with self._lock:
@@ -388,6 +414,8 @@ class Generator:
         if self._update_mode is not None:  # retry after a failed send: the session is still open
             return
         self._send_gate.clear()
+        if mode == "in_place":  # retract flushes the radix cache after the update instead (finish_update)
+            self._abort_unstarted()
         self.server.client.pause(mode)
         self.server.client.begin_weight_update()
         self._update_mode = mode
@@ -415,12 +443,14 @@ class Generator:
             raise WeightUpdateError(f"generator {self.generator_id} reports version {got} after update to {version}")
         c.end_weight_update()
         # retract re-prefills the paused sequences under their old cache salt: only a flush keeps them
-        # from reusing KV of the old weights. in_place needs none (new requests carry a new salt) and a
-        # flush would stall the paused generator (SGLang runs gc.collect on CPU, empty_cache on CUDA)
+        # from reusing KV of the old weights. in_place needs none (new requests carry a new salt; those sent
+        # before it and not started were aborted and go again: begin_update) and a flush would stall the
+        # paused generator (SGLang runs gc.collect on CPU, empty_cache on CUDA)
         if self._update_mode == "retract" and not c.flush_cache():
             raise WeightUpdateError("radix cache flush refused after a retract pause; KV would not be exact")
         self.cache.on_update(version)
         self.needs_weight_sync = False
+        self._in_place_updates += self._update_mode == "in_place"
         self._update_mode = None
         c.resume()
         self._send_gate.set()

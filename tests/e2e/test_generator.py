@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -347,3 +348,32 @@ def test_killed_server_is_restarted_and_samples_reissued(gen, hf):
     push_in_process([gen], [(state["senders"][0], named(state["model"]))], v)
     assert not gen.needs_weight_sync
     assert_matches_hf(gen, state["model"], v)
+
+
+def test_a_request_queued_across_an_update_is_sampled_again_under_the_new_weights(tiny_llama_dir, tmp_path, hf):
+    """A request sent before an in_place update that the server had not started (queued behind another:
+    --max-running-requests 1) would be prefilled after it with the old cache salt, on the prompt KV the
+    old weights computed for the running request of the same prompt, while its tokens carry the new
+    version. The generator aborts it when the update begins and sends it again after: its tokens are the
+    new weights' greedy ones, with their logprobs."""
+    new = perturbed(hf, seed=7)
+    prompt = PROMPTS[1]
+    with running_generator(tiny_llama_dir, tmp_path, threads=1, extra_args=["--max-running-requests", "1"]) as g:
+        sender = WeightSender(0, [target_of(g)], bucket_mb=0.05)
+        g.submit("long", prompt, group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 3000,
+                                                          "ignore_eos": True})
+        deadline = time.time() + 120
+        while g.tokens_streamed == 0:  # its prefill put the prompt's KV in the radix cache
+            assert time.time() < deadline
+            time.sleep(0.05)
+        g.submit("queued", prompt, group_size=1, sampling={"temperature": 0.0, "max_new_tokens": 8,
+                                                            "ignore_eos": True})
+        time.sleep(1.0)  # in the server's waiting queue
+        push_in_process([g], [(sender, named(new))], 1)
+        rs = {r.group_id: r for r in g.completions(timeout=600)}
+    q = rs["queued"]
+    assert q.weight_versions == [1] * 8
+    assert q.completion_ids == hf_greedy(new, prompt, 8)
+    torch.testing.assert_close(torch.tensor(q.behaviour_logprobs), hf_logprobs(new, prompt, q.completion_ids),
+                               atol=3e-3, rtol=1e-3)
+    assert rs["long"].weight_versions[0] == 0 and rs["long"].weight_versions[-1] == 1  # it went on in place

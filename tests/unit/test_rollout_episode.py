@@ -80,6 +80,22 @@ def test_a_turn_cut_by_its_cap_gets_the_stop_token_as_an_environment_token(chat)
     assert ep.ids[4] == chat.stop_ids[0] and ep.mask[3:5] == [1, 0]
 
 
+def test_a_turn_stopped_by_another_token_than_the_templates_end_of_turn_gets_the_end_of_turn_added(chat):
+    """finish_reason "stop" on a token that is not one of the template's stop ids (the tokenizer's eos when
+    the turn end is another token, a sampling stop): the context must still read as the template renders
+    the conversation, so the observation begins with the end-of-turn id."""
+    other = 42
+    assert other not in chat.stop_ids
+
+    def model(context, max_new_tokens):
+        return Turn([100, 101, other], [-0.5] * 3, [7] * 3, "stop", "said")
+
+    ep = run_episode(Echo(turns=2), {}, PROMPT, model, 1000, EpisodeLimits(max_turns=2), chat)
+    assert ep.ids[3] == chat.stop_ids[0] and ep.mask[2:4] == [1, 0]
+    assert ep.ids[3:ep.mask.index(1, 3)] == [chat.stop_ids[0]] + chat.observation_ids(
+        [{"role": "user", "content": "echo 1: said"}])
+
+
 def test_a_long_observation_is_cut_with_a_note(chat):
     class Loud(Echo):
         def step(self, turn):

@@ -50,11 +50,16 @@ class ChatTurns:
             self.stop_ids = (eos,)
         self._stop_text = {i: self.tokenizer.decode([i]) for i in self.stop_ids}
 
+    def ends_turn(self, ids: list[int]) -> bool:
+        """A model turn of these sampled ids ended as the template ends a turn: with one of `stop_ids` (a turn
+        that stopped on another token, e.g. the tokenizer's eos, or was cut by its cap did not)."""
+        return bool(ids) and ids[-1] in self.stop_ids
+
     def observation_ids(self, messages: list[dict[str, str]], turn_stopped: bool = True) -> list[int]:
         """Ids that follow a model turn when the environment answers with `messages` (chat messages,
         e.g. one {"role": "tool", ...}): the rest of the end of the turn, the messages as the template
         renders them, the generation prompt and the template's assistant prefix. `turn_stopped`: the
-        turn ended with a stop token (else the first stop id is put before them)."""
+        turn ended with a stop id (`ends_turn`; else the first stop id is put before them)."""
         if not messages:
             raise TemplateError("an observation needs at least one message")
         stop_id, tail = self._after_turn(messages)

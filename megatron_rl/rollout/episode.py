@@ -233,9 +233,7 @@ def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns:
         if turns is None:
             raise RuntimeError("the environment continues after a turn but the tokenizer has no chat template")
         shown = _cut(turns, result.observation, limits.max_observation_tokens)
-        # the template's end of turn is there only if the turn's last id is one of its stop ids: a turn that
-        # stopped on another token (the tokenizer's eos, a sampling stop) or was cut by its cap gets it added
-        observation = turns.observation_ids(shown, turn_stopped=bool(turn.ids) and turn.ids[-1] in turns.stop_ids)
+        observation = turns.observation_ids(shown, turn_stopped=turns.ends_turn(turn.ids))
         if len(episode.ids) + len(observation) >= cap:  # no room left for a model token after it
             report.stop = "max_tokens"
             episode.finish_reason = "length"

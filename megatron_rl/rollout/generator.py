@@ -112,7 +112,6 @@ class Generator:
         self.record_boundaries = record_boundaries  # queue each turn boundary for boundaries()
         self._boundaries: queue.Queue[PartialEpisode] = queue.Queue()
         self._pending: dict[str, Sample] = {}
-        self._between_turns = 0  # samples in their environment's step (`env_waiting`)
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
         self._send_gate = threading.Event()  # cleared during an update: hold new requests back
@@ -210,7 +209,7 @@ class Generator:
             except _ServerGone:  # the generator died: the sample is listed in GeneratorDied.unfinished
                 return
             finally:
-                self._between(s, False)
+                s.between_turns = False
             r = Rollout(group_id=s.group.group_id, sample_index=s.index, prompt_ids=ep.prompt_ids,
                         completion_ids=ep.ids, behaviour_logprobs=ep.logprobs, weight_versions=ep.versions,
                         finish_reason=ep.finish_reason, text=ep.text, generator_id=self.generator_id,
@@ -261,22 +260,17 @@ class Generator:
         """Samples between two turns: their environment steps (a tool run), the server has nothing of
         theirs to decode (the controller's admission: env.extra_in_flight)."""
         with self._lock:
-            return self._between_turns
-
-    def _between(self, s: Sample, between: bool) -> None:
-        with self._lock:
-            self._between_turns += between - s.between_turns
-            s.between_turns = between
+            return sum(s.between_turns for s in self._pending.values())
 
     def _turn(self, s: Sample, context: list[int], max_new_tokens: int) -> Turn:
         """One model turn of sample `s` from `context`: a new request (after an update it carries the new
         cache salt, so its prefill runs under the new weights). If the server dies meanwhile, the turn
         runs again from its start on the relaunched server: the episode resumes at its last turn boundary."""
-        self._between(s, False)
+        s.between_turns = False
         try:
             return self._request_turn(s, context, max_new_tokens)
         finally:
-            self._between(s, True)  # until its next turn, or its end (_run)
+            s.between_turns = True  # until its next turn, or its end (_run)
 
     def _request_turn(self, s: Sample, context: list[int], max_new_tokens: int) -> Turn:
         while True:

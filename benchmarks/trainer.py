@@ -23,14 +23,14 @@ import time
 import torch
 
 
-def make_batch(vocab: int, n: int, min_len: int, max_len: int, seed: int = 0):
+def make_batch(vocab: int, n: int, min_len: int, max_len: int, seed: int = 0, prompt_frac: float = 0.25):
     from megatron_rl.records import Batch, TrainSequence
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(n):
         total = int(torch.randint(min_len, max_len + 1, (), generator=g))
-        prompt = max(1, total // 4)
+        prompt = min(total - 1, max(1, int(total * prompt_frac)))
         ids = torch.randint(0, vocab, (total,), generator=g).tolist()
         seqs.append(TrainSequence(ids, prompt, [-2.0] * (total - prompt), advantage=float(i % 2) * 2 - 1))
     return Batch(seqs, n_mini=1, policy_version=0)
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--prompt-frac", type=float, default=0.25, help="share of each sequence that is prompt (no "
+                    "loss; the CPU demo's rows are ~0.65 prompt)")
     ap.add_argument("--micro-tokens", type=int, default=1024, help="packing bin capacity (Megatron)")
     ap.add_argument("--hf-micro", type=int, default=4, help="sequences per padded HF micro-batch")
     ap.add_argument("--steps", type=int, default=3)
@@ -115,7 +117,7 @@ def main() -> None:
     cfg = config_from_dict({"trainer": {"model": args.model, "precision": args.precision, "lr": 1e-6,
                                         "micro_batch_tokens": args.micro_tokens}})
     trainer = Trainer(cfg)
-    batch = make_batch(trainer.dims.vocab_size, args.seqs, args.min_len, args.max_len)
+    batch = make_batch(trainer.dims.vocab_size, args.seqs, args.min_len, args.max_len, prompt_frac=args.prompt_frac)
     real = sum(len(s.token_ids) for s in batch.sequences)
     metrics: dict = {}
 

@@ -94,18 +94,62 @@ def tree_pss_kib(pid: int) -> int:
     return sum(pss_kib(p) for p in process_tree(pid))
 
 
+def process_label(pid: int, roles: dict[int, str]) -> str:
+    """What a process of a run is: its rank's role (RUN_DIR/ranks/*.pid), else its process title or
+    `-m` module, else its program's name."""
+    if pid in roles:
+        return roles[pid]
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return "?"
+    if not argv:
+        return "?"
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    if "spawn_main" in " ".join(argv):
+        return "multiprocessing worker"
+    return Path(argv[0]).name if len(argv) > 1 or "::" not in argv[0] else argv[0]
+
+
+def rank_roles(run_dir: Path | None) -> dict[int, str]:
+    """pid -> "trainer" / "generator" / ... from the pid files the run's ranks write."""
+    roles = {}
+    for f in (run_dir / "ranks").glob("*.pid") if run_dir is not None else ():
+        try:
+            pid, role = f.read_text().split()[:2]
+            roles[int(pid)] = f"{role} rank"
+        except (OSError, ValueError):
+            pass
+    return roles
+
+
 class PeakPss:
     """Samples the PSS sum of a process tree every `every` seconds in a thread; `.peak_kib` the largest
-    (the runs hold their memory for minutes: a coarse interval finds the peak and costs little CPU)."""
+    (the runs hold their memory for minutes: a coarse interval finds the peak and costs little CPU), and
+    `.at_peak` the PSS of each kind of process then (label -> KiB; labels from `process_label`, the run's
+    rank roles read from `run_dir`)."""
 
-    def __init__(self, pid: int, every: float = 5.0):
+    def __init__(self, pid: int, every: float = 5.0, run_dir: Path | None = None):
         self.pid, self.every, self.peak_kib, self.samples = pid, every, 0, 0
+        self.run_dir = run_dir
+        self.at_peak: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak_kib = max(self.peak_kib, tree_pss_kib(self.pid))
+            per_pid = {p: pss_kib(p) for p in process_tree(self.pid)}
+            total = sum(per_pid.values())
+            if total > self.peak_kib:
+                self.peak_kib = total
+                roles = rank_roles(self.run_dir)
+                by_label: dict[str, int] = {}
+                for p, kib in per_pid.items():
+                    label = process_label(p, roles)
+                    by_label[label] = by_label.get(label, 0) + kib
+                self.at_peak = by_label
             self.samples += 1
             self._stop.wait(self.every)
 
@@ -118,6 +162,13 @@ class PeakPss:
         self._thread.join()
 
 
+def memory_line(fig: "RunFigures") -> str:
+    """`SYSTEM at its memory peak: LABEL X.XX GiB, ...` (the largest first, under 0.05 GiB left out)."""
+    parts = [f"{label} {kib / 2**20:.2f}" for label, kib in sorted(fig.peak_by_process.items(), key=lambda kv: -kv[1])
+             if kib >= 0.05 * 2**20]
+    return f"{fig.system} at its memory peak (PSS, GiB): " + ", ".join(parts)
+
+
 # ============================================================== one run's figures
 @dataclass
 class RunFigures:
@@ -127,6 +178,7 @@ class RunFigures:
     to_update1_s: float | None = None  # launch -> end of update 1
     total_s: float | None = None  # launch -> exit
     peak_pss_kib: int | None = None
+    peak_by_process: dict[str, int] = field(default_factory=dict)  # PSS (KiB) of each kind of process at the peak
     pass_at_1: float | None = None
     roles: dict[str, float] = field(default_factory=dict)  # seconds per update, mean over the measured ones
     notes: list[str] = field(default_factory=list)
@@ -249,6 +301,7 @@ def combine(figs: list[RunFigures]) -> RunFigures:
     for role in dict.fromkeys(k for f in figs for k in f.roles):
         out.roles[role] = statistics.median(f.roles[role] for f in figs if role in f.roles)
     out.notes = list(dict.fromkeys(n for f in figs for n in f.notes))
+    out.peak_by_process = max(figs, key=lambda f: f.peak_pss_kib or 0).peak_by_process  # the highest run's
     return out
 
 
@@ -327,17 +380,18 @@ def common_overrides(args) -> list[str]:
             f"run.updates={args.updates}", f"run.eval_every={args.updates}", "run.eval_at_start=false", *args.extra]
 
 
-def run_measured(cmd: list[str], env: dict, log: Path, pss_every: float, what: str) -> tuple[float, float, int]:
-    """Run `cmd` to its end with its output in `log`: (start, end, peak summed PSS of its tree in KiB)."""
+def run_measured(cmd: list[str], env: dict, log: Path, pss_every: float, what: str,
+                 run_dir: Path | None = None) -> tuple[float, float, PeakPss]:
+    """Run `cmd` to its end with its output in `log`: (start, end, its tree's memory peak)."""
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        with PeakPss(proc.pid, pss_every) as mem:
+        with PeakPss(proc.pid, pss_every, run_dir) as mem:
             rc = proc.wait()
     t1 = time.time()
     if rc != 0:
         raise SystemExit(f"{what} failed (exit {rc}); its output: {log}")
-    return t0, t1, mem.peak_kib
+    return t0, t1, mem
 
 
 def run_ours(args, seed: int, out: Path) -> RunFigures:
@@ -349,9 +403,9 @@ def run_ours(args, seed: int, out: Path) -> RunFigures:
            f"run.output_dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     print(f"[ours seed {seed}] {' '.join(cmd)}", flush=True)
-    t0, t1, peak_kib = run_measured(cmd, env, out / f"ours-seed{seed}.log", args.pss_every, "our run")
+    t0, t1, mem = run_measured(cmd, env, out / f"ours-seed{seed}.log", args.pss_every, "our run", run_dir)
     fig = ours_figures(read_metrics(run_dir / "metrics.jsonl"), t0, t1, args.updates)
-    fig.peak_pss_kib = peak_kib
+    fig.peak_pss_kib, fig.peak_by_process = mem.peak_kib, mem.at_peak
     save_figures(fig, out / f"ours-seed{seed}.figures.json")
     return fig
 
@@ -365,11 +419,11 @@ def run_trl(args, seed: int, out: Path) -> RunFigures:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # nothing of our venv leaks in
     print(f"[TRL seed {seed}] {' '.join(cmd)}", flush=True)
-    t0, t1, peak_kib = run_measured(cmd, env, out / f"trl-seed{seed}.log", args.pss_every, "the TRL run")
+    t0, t1, mem = run_measured(cmd, env, out / f"trl-seed{seed}.log", args.pss_every, "the TRL run")
     result = json.loads(result_path.read_text())
     n_mini = result["grpo_config"]["steps_per_generation"]
     fig = trl_figures(result, t0, t1, n_mini)
-    fig.peak_pss_kib = peak_kib
+    fig.peak_pss_kib, fig.peak_by_process = mem.peak_kib, mem.at_peak
     fig.notes.append(f"TRL: trl {result['versions']['trl']}, transformers {result['versions']['transformers']}, "
                      f"torch {result['versions']['torch']}, {result['threads']} threads; held-out evaluation "
                      f"{result['eval']['wall_s']:.0f} s for {result['eval']['problems']} problems")
@@ -450,7 +504,8 @@ def main(argv=None) -> int:
         f"{args.updates} updates of {cfg.rollout.n_batch} sequences ({cfg.rollout.n_batch // cfg.rollout.group_size} "
         f"prompts x {cfg.rollout.group_size}), {cfg.rollout.max_new_tokens} new tokens, {cfg.trainer.precision}, "
         f"{args.threads} threads, model {args.model}; {args.seeds} seed(s)",
-        table(o, t), roles_table(o, t),
+        table(o, t), "\n".join(memory_line(f) for f in (o, t) if f is not None and f.peak_by_process),
+        roles_table(o, t),
         "\n".join(f"- {n}" for f in (o, t) if f is not None for n in f.notes), DIFFERENCES) if x)
     print("\n" + text)
     if args.out:

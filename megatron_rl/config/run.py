@@ -33,6 +33,11 @@ class RunConfig:
     eval_samples: int = 4  # samples per evaluation problem: pass@1 is their mean, pass@k has k = eval_samples
     eval_temperature: float | None = None  # sampling temperature of the evaluation (null: rollout.temperature)
     eval_max_problems: int | None = None  # evaluate the first this many problems of data.eval_path (null: all)
+    # On a machine without a GPU: split = each trainer rank and each generator's SGLang server computes on
+    # its own share of its host's cores, one thread per core (control/node.py `assign_cpus`); shared =
+    # every process may use every core with torch's default thread count (processes that compute at the
+    # same time then stall each other's OpenMP threads). Ignored where there is a GPU.
+    cpu_placement: Literal["split", "shared"] = "split"
     # Where metrics lines go: jsonl (RUN_DIR/metrics.jsonl, always on: the run's record), tensorboard
     # (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb, offline unless WANDB_MODE is set), mlflow (RUN_DIR/mlruns
     # unless MLFLOW_TRACKING_URI is set); same metric names in all (docs/tools.md "Loggers and curves").

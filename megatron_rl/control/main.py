@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_rl import log as logs
 from megatron_rl.config import Config, ConfigError, dump_config, load_config
 from megatron_rl.control.failure_report import clear_records, write_pid_file, write_report
-from megatron_rl.control.node import assign_gpus, gather_nodes
+from megatron_rl.control.node import assign_cpus, assign_gpus, gather_cores, gather_nodes
 from megatron_rl.control.protocol import WorkerFailure
 from megatron_rl.plan.layout import RankLayout
 from megatron_rl.sync.group import bind_listener
@@ -98,7 +98,9 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
     master_port = comm.bcast(listener.getsockname()[1] if listener else None, root=first)
     role = layout.role(rank)
     logs.setup(role, rank)
-    gpus = assign_gpus([layout.role(r) for r in range(layout.world_size)], nodes, cfg.generator.tp_size)[rank]
+    roles = [layout.role(r) for r in range(layout.world_size)]
+    gpus = assign_gpus(roles, nodes, cfg.generator.tp_size)[rank]
+    _place_on_cores(cfg, role, assign_cpus(roles, *gather_cores(comm), cfg.generator.tp_size)[rank])
     if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -124,6 +126,17 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
 
         verifier_loop(mailbox, cfg.reward)
     return 0
+
+
+def _place_on_cores(cfg: Config, role: str, cores: tuple[int, ...]) -> None:
+    """`run.cpu_placement: split` without a GPU: this rank (a trainer, or a generator and its server) on
+    its share of its host's cores (control/node.py)."""
+    from megatron_rl.platform import has_cuda, run_on_cores
+
+    if cfg.run.cpu_placement != "split" or not cores or has_cuda():
+        return
+    run_on_cores(cores, cfg.generator.tp_size if role == "generator" else None)
+    log.info("%s computes on cores %s, %d thread(s)", role, ",".join(map(str, cores)), len(cores))
 
 
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:

@@ -24,6 +24,15 @@ GPUs (`assign_gpus`): on each node, the ranks that own GPUs take them in local-r
 one, a generator `generator.tp_size` consecutive ones; the controller and verifiers take none. That
 is placement.py's rule, so a job launched with `megatron-rl plan`'s hostfile gets exactly the GPUs the
 plan printed. The local rank itself is not a GPU id: the controller is local rank 0 on node 0.
+
+CPU cores (`assign_cpus`, under `run.cpu_placement: split` on a machine without a GPU): on each host,
+the cores its ranks may run on (the union of their affinities, `gather_cores`) are split between the
+processes that compute, in local-rank order: a trainer one share, a generator `generator.tp_size`
+shares (its SGLang server runs there), a share being cores // shares (at least one; with fewer cores
+than shares they are dealt round-robin). The controller and verifiers take no share: they keep every
+core (they mostly wait). Why: two processes that each run an OpenMP pool over every core make each
+other's parallel regions wait for a descheduled thread (a 16-row linear layer of the CPU demo cost
+0.5 ms alone and ~15 ms beside a busy trainer); disjoint cores keep each pool's threads running.
 """
 from __future__ import annotations
 
@@ -189,6 +198,34 @@ def assign_gpus(roles: Sequence[Role], nodes: Sequence[NodeInfo], generator_tp: 
             gpus[rank] = tuple(range(first, first + n))
             next_free[nodes[rank].addr] = first + n
     return gpus
+
+
+def assign_cpus(roles: Sequence[Role], hosts: Sequence[str], host_cores: Mapping[str, Sequence[int]],
+                generator_tp: int) -> list[tuple[int, ...]]:
+    """Cores of every rank (empty: not placed, the controller and verifiers); pure, like assign_gpus.
+    `hosts[r]`: rank r's host; `host_cores[h]`: the cores of host h (gather_cores)."""
+    wants = {"trainer": 1, "generator": generator_tp}
+    out: list[tuple[int, ...]] = [() for _ in roles]
+    for host, cores in host_cores.items():
+        ranks = [r for r in range(len(roles)) if hosts[r] == host and wants.get(roles[r], 0)]
+        cores = sorted(cores)
+        per = max(1, len(cores) // max(1, sum(wants[roles[r]] for r in ranks)))
+        share = 0
+        for r in ranks:
+            n = wants[roles[r]]
+            out[r] = tuple(sorted({cores[(share * per + i) % len(cores)] for i in range(n * per)}))
+            share += n
+    return out
+
+
+def gather_cores(comm) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+    """Collective over `comm`: every rank's host name, and every host's cores (the union of the CPU
+    affinities its ranks started with)."""
+    probes = comm.allgather((socket.gethostname(), tuple(sorted(os.sched_getaffinity(0)))))
+    cores: dict[str, set[int]] = {}
+    for host, mine in probes:
+        cores.setdefault(host, set()).update(mine)
+    return [h for h, _ in probes], {h: tuple(sorted(c)) for h, c in cores.items()}
 
 
 def check_gpus_exist(gpus: Sequence[int], visible: int, rank: int, role: str) -> None:

@@ -8,6 +8,8 @@
   nothing when a CUDA device exists.
 - `te_available()`: Transformer Engine's layer spec can be used (CUDA and an importable TE);
   `cpu_has_fast_bf16()`: the CPU has bf16 arithmetic (else bf16 runs tens of times slower than fp32).
+- `run_on_cores(cores, sglang_tp)`: this process (every thread) and what it starts on those cores, with
+  one torch/OpenMP thread per core (control/node.py's `assign_cpus` decides which).
 - `pin_nccl_cumem(env)`: the one NCCL_CUMEM_ENABLE of every member of a weight-update group.
 - `megatron_kernel_options(use_te, interleaved)`: the Megatron fusion / p2p / init switches this
   machine supports (everything off on CPU-gloo, Megatron's training defaults on CUDA where the kernel
@@ -78,6 +80,22 @@ def sglang_cpu_env(base: dict[str, str] | None = None, tp_size: int = 1) -> dict
     if tp_size > 1:  # SGLang's CPU engine allows one TP rank per NUMA node unless told which cores each takes
         env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp_size))
     return env
+
+
+def run_on_cores(cores: tuple[int, ...], sglang_tp: int | None = None) -> None:
+    """Every thread of this process, and every process it starts, on `cores`, with one torch/OpenMP
+    thread per core (OMP_NUM_THREADS for children). `sglang_tp`: this process launches an SGLang
+    server of that many TP ranks, whose OpenMP threads SGLang binds itself on some CPUs (AMX, arm64):
+    told to bind them within `cores` (SGLANG_CPU_OMP_THREADS_BIND), split between its ranks."""
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) would move the calling thread only
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            pass
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(sglang_tp or 1))
+    torch.set_num_threads(len(cores))
+    if sglang_tp is not None:
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(sglang_tp)
 
 
 def threads_per_rank(ranks: int) -> int:

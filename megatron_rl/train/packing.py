@@ -163,6 +163,17 @@ class PackedMicroBatch:
                   if f.name != "cu_seqlens" and isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **sliced, cp=(cp_size, cp_rank))
 
+    def loss_positions(self) -> torch.Tensor:
+        """Indices of the positions whose label carries loss, on the micro-batch's device."""
+        return torch.nonzero(self.loss_mask[0] > 0).squeeze(1)
+
+    def at_positions(self, index: torch.Tensor) -> "PackedMicroBatch":
+        """This micro-batch at `index`'s positions only (every per-position tensor; the row's boundaries
+        stay): what a loss reads when the logits were made at those positions alone."""
+        picked = {f.name: getattr(self, f.name).index_select(-1, index) for f in dataclasses.fields(self)
+                  if f.name != "cu_seqlens" and isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **picked)
+
     def attention_mask(self) -> torch.Tensor:
         """Block-diagonal causal mask `[1, 1, T, T]`, Megatron convention: True = masked out."""
         if self.cp is not None:

@@ -39,6 +39,7 @@ so the collectives send tensors the process group can carry (CUDA on NCCL, CPU o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -110,17 +111,59 @@ def _pad_multiple(chunk_config) -> int:
     return chunk_config.tensor_model_parallel_size if chunk_config.sequence_parallel else 1
 
 
-def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool):
+def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool, positions: torch.Tensor | None = None):
+    """The chunk's output on `mb`; on the last stage, logits at `positions` of the row only (None: all)."""
     from megatron_rl.train import attention, routing_replay
 
     # bf16 chunks: bf16 logits (no float32 [tokens, vocab] copy by Float16Module); losses sum in float32
     kw = {"fp32_output": False} if getattr(model_chunk, "mrl_half_precision", False) else {}
-    with moe.router_padding(model_chunk, mb, kw) as kw:  # MoE: the bins' pad tokens out of the aux loss
+    with moe.router_padding(model_chunk, mb, kw) as kw, _output_layer_at(model_chunk, positions):
         routing_replay.set_targets(model_chunk, mb)  # MoE: the generator's experts (algo.routing_replay)
         # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
         if use_thd or attention.uses_segment_attention(model_chunk):
             return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
         return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
+
+
+def _forward_for_loss(model_chunk, mb: PackedMicroBatch, use_thd: bool) -> tuple[torch.Tensor, PackedMicroBatch]:
+    """The chunk's output on `mb`, and `mb` at the positions of that output (`_logit_positions`)."""
+    positions = _logit_positions(model_chunk, mb)
+    out = _forward(model_chunk, mb, use_thd, positions)
+    return out, (mb if positions is None else mb.at_positions(positions))
+
+
+def _logit_positions(model_chunk, mb: PackedMicroBatch) -> torch.Tensor | None:
+    """The positions whose logits a loss or logprob pass reads (those with a loss label), when the
+    chunk holds the output layer and may apply it to them alone; None: at every position. Why: the
+    output layer is ~1/5 of a small model's matmuls and the log-softmax passes over [tokens, vocab] come
+    on top, while the prompt tokens (most of an RL row) need none. Not under sequence parallelism (the
+    layer's input is a shard it gathers itself) nor with multi-token prediction (it reads all logits)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    config = get_attr_wrapped_model(model_chunk, "config")
+    if (not get_attr_wrapped_model(model_chunk, "post_process") or config.sequence_parallel
+            or getattr(config, "mtp_num_layers", None)):
+        return None
+    index = mb.loss_positions()
+    return index if 0 < len(index) < mb.length else None
+
+
+@contextlib.contextmanager
+def _output_layer_at(model_chunk, positions: torch.Tensor | None):
+    """While inside: the chunk's output layer reads its input ([s, b, h]) at `positions` only."""
+    if positions is None:
+        yield
+        return
+    from megatron.core.utils import get_attr_wrapped_model
+
+    def select(_module, args, kwargs):
+        return (args[0].index_select(0, positions), *args[1:]), kwargs
+
+    handle = get_attr_wrapped_model(model_chunk, "output_layer").register_forward_pre_hook(select, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _tempered(logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
@@ -221,9 +264,8 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
 
 
 def _forward_step(ctx: StepContext, objective: Objective, data_iterator, model_chunk):
-    mb = next(data_iterator)
-    output = _forward(model_chunk, mb, ctx.use_thd)
-    return output, partial(_loss_func, mb, ctx, objective)
+    output, at_output = _forward_for_loss(model_chunk, next(data_iterator), ctx.use_thd)
+    return output, partial(_loss_func, at_output, ctx, objective)
 
 
 def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) -> dict[str, float]:
@@ -329,13 +371,19 @@ def _schedule(model: list, prepared: PreparedMinibatch, forward_step, forward_on
             seq_length=prepared.packed.seq_length, micro_batch_size=1, forward_only=forward_only)
 
 
-def _store_logprobs(mb: PackedMicroBatch, ctx: StepContext, field: str, output: torch.Tensor):
+def _store_logprobs(mb: PackedMicroBatch, at_output: PackedMicroBatch, ctx: StepContext, field: str,
+                    output: torch.Tensor):
+    """`mb.<field>`: the logprobs of `output` (made at `at_output`'s positions) over the whole row."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group() if ctx.layout.tp > 1 else None
     with torch.no_grad():
-        logp = token_logprobs(_tempered(output, mb), mb.labels, tp_group=tp_group, vocab_size=ctx.vocab_size)
-    setattr(mb, field, torch.where(mb.loss_mask > 0, logp.float(), 0.0))
+        logp = token_logprobs(_tempered(output, at_output), at_output.labels, tp_group=tp_group,
+                              vocab_size=ctx.vocab_size)
+        logp = torch.where(at_output.loss_mask > 0, logp.float(), 0.0)
+        if at_output is not mb:
+            logp = torch.zeros_like(mb.loss_mask).index_copy_(1, mb.loss_positions(), logp)
+    setattr(mb, field, logp)
     # a dummy loss; a count of 1 keeps the schedule's normalisation finite (both on the model's device,
     # where the schedule accumulates the counts)
     return (torch.zeros((), dtype=torch.float32, device=output.device),
@@ -344,7 +392,8 @@ def _store_logprobs(mb: PackedMicroBatch, ctx: StepContext, field: str, output: 
 
 def _logprob_step(ctx: StepContext, field: str, data_iterator, model_chunk):
     mb = next(data_iterator)
-    return _forward(model_chunk, mb, ctx.use_thd), partial(_store_logprobs, mb, ctx, field)
+    output, at_output = _forward_for_loss(model_chunk, mb, ctx.use_thd)
+    return output, partial(_store_logprobs, mb, at_output, ctx, field)
 
 
 @torch.no_grad()

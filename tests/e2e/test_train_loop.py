@@ -89,11 +89,36 @@ def _pids(match) -> list[psutil.Process]:
     return found
 
 
+def _placement(run_dir: Path, port: int) -> tuple[set[int], set[int], str]:
+    """The cores of the trainer rank and of the SGLang server (its scheduler among them), and the
+    server's OMP_NUM_THREADS."""
+    trainer = [int(f.read_text().split()[0]) for f in (run_dir / "ranks").glob("*.pid")
+               if f.read_text().split()[1] == "trainer"]
+    server = _pids(lambda p: "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and
+                   f"--port {port}" in " ".join(p.info["cmdline"] or []))
+    assert len(trainer) == 1 and server, (trainer, server)
+    scheduler = [c for c in server[0].children() if "scheduler" in c.name() or "scheduler" in " ".join(c.cmdline())]
+    server_cores = {frozenset(p.cpu_affinity()) for p in [server[0], *scheduler]}
+    assert len(server_cores) == 1, server_cores
+    return (set(psutil.Process(trainer[0]).cpu_affinity()), set(next(iter(server_cores))),
+            server[0].environ().get("OMP_NUM_THREADS"))
+
+
+def _check_split(trainer: set[int], server: set[int], omp: str) -> None:
+    """run.cpu_placement split (control/node.py assign_cpus): half of the cores each, disjoint when
+    there are two or more; one OpenMP thread per core of the server's share."""
+    cores = os.sched_getaffinity(0)
+    assert trainer | server <= cores and len(trainer) == len(server) == max(1, len(cores) // 2)
+    assert len(cores) < 2 or not trainer & server, (trainer, server)
+    assert omp == str(len(server))
+
+
 # One run for both fault paths (each launch costs a server and trainer start-up on 2 cores).
 def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_nothing(tmp_path, policy, free_port):
     """kill -9 of the SGLang server, then of a grading process; the run continues. Then SIGTERM (as a
     scheduler sends it): a checkpoint, a protected run directory, and `--resume` finishes the run with
-    every update once. With run.loggers tensorboard: its event files, read back, hold the numbers of
+    every update once. The trainer and the server compute on disjoint halves of the cores (run.cpu_placement
+    split), and on all of them after the resume with run.cpu_placement=shared. With run.loggers tensorboard: its event files, read back, hold the numbers of
     metrics.jsonl under the same names and updates, across the resume."""
     port = 31000 + free_port % 2000
     updates = 24
@@ -102,6 +127,7 @@ def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_not
     run_dir = tmp_path / "run"
     proc = launch_train(config)
     _wait_for_updates(proc, run_dir, 4)
+    _check_split(*_placement(run_dir, port))
     server = _pids(lambda p: "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and
                    f"--port {port}" in " ".join(p.info["cmdline"] or []))
     assert server, "SGLang server process not found"
@@ -122,7 +148,11 @@ def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_not
 
     out = _finish_failing(launch_train(config))  # without --resume the run directory is protected
     assert "--resume" in out
-    _finish(launch_train(config, "--resume"))
+    proc = launch_train(config, "--resume", "run.cpu_placement=shared")
+    _wait_for_updates(proc, run_dir, stopped_at + 1)
+    trainer, server, omp = _placement(run_dir, port)  # shared: every process on every core
+    assert trainer == server == os.sched_getaffinity(0) and omp == "1", (trainer, server, omp)
+    _finish(proc)
 
     rows = read_jsonl(run_dir / METRICS_FILE)
     assert [r["update"] for r in rows] == list(range(1, updates + 1))

@@ -113,7 +113,7 @@ def test_seeds_combine_to_medians_and_mean_pass(bench):
     assert bench.combine(figs[:1]) is figs[0]
 
 
-def test_pss_sum_over_this_process_tree(bench):
+def test_pss_sum_over_this_process_tree(bench, tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(32 << 20); time.sleep(60)"])
     try:
         import time
@@ -128,9 +128,15 @@ def test_pss_sum_over_this_process_tree(bench):
         assert mine > 0 and theirs > 16 << 10
         assert bench.tree_pss_kib(os.getpid()) >= mine + theirs - 1024  # both counted (PSS moves a little)
         assert bench.pss_kib(2**22 + 12345) == 0  # no such process
-        with bench.PeakPss(os.getpid(), every=0.05) as peak:
+        run_dir = tmp_path / "run"  # the child as a run's trainer rank: labelled by its pid file
+        (run_dir / "ranks").mkdir(parents=True)
+        (run_dir / "ranks" / "1.pid").write_text(f"{child.pid} trainer 127.0.0.1\n")
+        with bench.PeakPss(os.getpid(), every=0.05, run_dir=run_dir) as peak:
             time.sleep(0.2)
         assert peak.samples >= 1 and peak.peak_kib >= theirs
+        assert peak.at_peak["trainer rank"] >= 16 << 10 and sum(peak.at_peak.values()) == peak.peak_kib
+        assert bench.memory_line(bench.RunFigures("ours", peak_by_process=peak.at_peak)).startswith(
+            "ours at its memory peak (PSS, GiB): ")
     finally:
         child.kill()
         child.wait()

@@ -1,12 +1,13 @@
 """control/node.py: a rank's node address and local rank from the Slurm/MPI environment."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
-from megatron_rl.control.node import (ADDR_VAR, LOCAL_RANK_VAR, NodeEnvError, NodeInfo, NodeProbe, assign_nodes,
-                                      local_rank_from_env, probe_node)
+from megatron_rl.control.node import (ADDR_VAR, LOCAL_RANK_VAR, NodeEnvError, NodeInfo, NodeProbe, assign_cpus,
+                                      assign_nodes, gather_cores, local_rank_from_env, probe_node)
 
 
 def _resolve(table):
@@ -116,3 +117,44 @@ def test_gloo_and_nccl_take_the_interface_of_the_node_address_override():
     with pytest.raises(NodeEnvError, match=rf"^rank 0 on n0: {ADDR_VAR}=192\.168\.0\.1: no network interface "
                                            "of this node holds that address$"):
         assign_nodes([elsewhere])
+
+
+@pytest.mark.parametrize("n_cores", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("roles,tp", [
+    (["controller", "trainer", "generator"], 1),
+    (["controller", "trainer", "trainer", "generator", "generator", "verifier"], 1),
+    (["controller", "trainer", "trainer", "trainer", "trainer", "generator"], 2),
+])
+def test_cpu_shares_are_disjoint_equal_and_cover_what_they_can(n_cores, roles, tp):
+    """Against the rule stated in node.py, counted independently: with at least as many cores as
+    shares, each compute rank gets shares x (cores // total shares) cores, no core twice; with fewer,
+    one core each, every core used; the controller and verifiers get none."""
+    cores = tuple(range(100, 100 + n_cores))  # ids need not start at 0 (a cgroup's cores)
+    got = assign_cpus(roles, ["h"] * len(roles), {"h": cores}, tp)
+    shares = {"trainer": 1, "generator": tp}
+    total = sum(shares.get(r, 0) for r in roles)
+    placed = [(r, c) for r, c in zip(roles, got) if c]
+    assert [r for r, _ in placed] == [r for r in roles if r in shares]
+    assert all(set(c) <= set(cores) for _, c in placed)
+    if n_cores >= total:
+        assert all(len(c) == shares[r] * (n_cores // total) for r, c in placed)
+        flat = [x for _, c in placed for x in c]
+        assert len(flat) == len(set(flat))
+    else:
+        assert {x for _, c in placed for x in c} == set(cores)
+
+
+def test_cpu_shares_are_per_host_in_local_rank_order():
+    roles = ["controller", "trainer", "generator", "trainer", "generator"]
+    hosts = ["a", "a", "a", "b", "b"]
+    got = assign_cpus(roles, hosts, {"a": (0, 1, 2, 3), "b": (4, 5)}, 1)
+    assert got == [(), (0, 1), (2, 3), (4,), (5,)]
+
+
+def test_gather_cores_unions_the_affinities_of_a_hosts_ranks():
+    class Comm:
+        def allgather(self, mine):
+            return [("a", (0, 1)), ("a", (2,)), ("b", (0,)), mine]
+    hosts, cores = gather_cores(Comm())
+    assert hosts[:3] == ["a", "a", "b"] and cores["a"][:3] == (0, 1, 2)
+    assert set(cores[hosts[3]]) >= set(os.sched_getaffinity(0))

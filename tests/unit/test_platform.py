@@ -322,3 +322,38 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_warned_naming_the_key(monkeypa
         why = preflight.warn_slow_bf16(config_from_dict({"trainer": {"precision": precision}}))
         assert (why is not None) == warned
         assert why is None or why.startswith("trainer.precision: bf16 on a CPU without AVX512-BF16 or AMX")
+
+
+RUN_ON_CORES = """
+import json, os, subprocess, sys, threading, time
+import torch
+from megatron_rl.platform import run_on_cores
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)  # a thread started before the placement moves too
+t.start()
+core = min(os.sched_getaffinity(0))
+run_on_cores((core,), sglang_tp=1)
+tasks = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                       capture_output=True, text=True).stdout.strip()
+stop.set()
+print(json.dumps({"core": core, "tasks": list(tasks.values()), "threads": torch.get_num_threads(), "child": child,
+                  "omp": os.environ["OMP_NUM_THREADS"], "bind": os.environ["SGLANG_CPU_OMP_THREADS_BIND"]}))
+"""
+
+
+def test_run_on_cores_moves_every_thread_and_what_the_process_starts():
+    """run.cpu_placement split's mechanism: every thread (not only the calling one), one torch thread
+    per core, children inherit the cores, an SGLang server is told to bind its threads there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RUN_ON_CORES], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "4"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    core = got["core"]
+    assert len(got["tasks"]) >= 2 and all(t == [core] for t in got["tasks"])
+    assert got["threads"] == 1 and got["child"] == str([core]) and got["omp"] == "1" and got["bind"] == str(core)

@@ -110,8 +110,12 @@ def test_loss_metrics_and_gradients_match_hf_reference(tiny_llama_dir):
 
     trainer = Trainer(make_config(tiny_llama_dir))
     trainer.optimizer.zero_grad()
+    rows = []  # the output layer makes logits at the positions with a loss label only (step._logit_positions)
+    hook = trainer.model_chunks[0].output_layer.register_forward_hook(lambda _, a, out: rows.append(out[0].shape[0]))
     out = forward_backward(trainer.model, seqs, trainer.ctx)
+    hook.remove()
     assert out.n_micro_batches >= 3  # accumulation over several packed micro-batches
+    assert sum(rows) == ref["n_loss_tokens"] < sum(len(s.token_ids) for s in seqs)
     # Megatron and HF run other kernels in other orders: float32 through the tiny model's chain of
     # matmuls (reductions <= its 384-token vocabulary), 2.1e-4 relative; absolute floors for values
     # near zero (metrics are O(1), gradients O(1e-2)); a clip fraction flips with one token (1/n)

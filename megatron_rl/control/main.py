@@ -135,7 +135,7 @@ def _place_on_cores(cfg: Config, role: str, cores: tuple[int, ...]) -> None:
 
     if cfg.run.cpu_placement != "split" or not cores or has_cuda():
         return
-    run_on_cores(cores, cfg.generator.tp_size if role == "generator" else None)
+    cores = run_on_cores(cores, cfg.generator.tp_size if role == "generator" else None)
     log.info("%s computes on cores %s, %d thread(s)", role, ",".join(map(str, cores)), len(cores))
 
 

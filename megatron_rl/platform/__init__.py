@@ -82,20 +82,24 @@ def sglang_cpu_env(base: dict[str, str] | None = None, tp_size: int = 1) -> dict
     return env
 
 
-def run_on_cores(cores: tuple[int, ...], sglang_tp: int | None = None) -> None:
+def run_on_cores(cores: tuple[int, ...], sglang_tp: int | None = None) -> tuple[int, ...]:
     """Every thread of this process, and every process it starts, on `cores`, with one torch/OpenMP
     thread per core (OMP_NUM_THREADS for children). `sglang_tp`: this process launches an SGLang
     server of that many TP ranks, whose OpenMP threads SGLang binds itself on some CPUs (AMX, arm64):
-    told to bind them within `cores` (SGLANG_CPU_OMP_THREADS_BIND), split between its ranks."""
+    told to bind them within `cores` (SGLANG_CPU_OMP_THREADS_BIND), split between its ranks. Cores
+    outside this process's affinity (a launcher's binding or per-task cpuset) are left out: with none
+    left it stays where it is. Returns the cores it runs on."""
+    cores = tuple(c for c in cores if c in os.sched_getaffinity(0)) or tuple(sorted(os.sched_getaffinity(0)))
     for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) would move the calling thread only
         try:
             os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+        except OSError:  # a thread that ended meanwhile
             pass
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(sglang_tp or 1))
     torch.set_num_threads(len(cores))
     if sglang_tp is not None:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(sglang_tp)
+    return cores
 
 
 def threads_per_rank(ranks: int) -> int:

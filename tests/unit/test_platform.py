@@ -337,7 +337,8 @@ tasks = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/pro
 child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
                        capture_output=True, text=True).stdout.strip()
 stop.set()
-print(json.dumps({"core": core, "tasks": list(tasks.values()), "threads": torch.get_num_threads(), "child": child,
+outside = run_on_cores((max(os.sched_getaffinity(0)) + 1000,))  # not ours to take: stays where it is
+print(json.dumps({"outside": list(outside), "core": core, "tasks": list(tasks.values()), "threads": torch.get_num_threads(), "child": child,
                   "omp": os.environ["OMP_NUM_THREADS"], "bind": os.environ["SGLANG_CPU_OMP_THREADS_BIND"]}))
 """
 
@@ -357,3 +358,4 @@ def test_run_on_cores_moves_every_thread_and_what_the_process_starts():
     core = got["core"]
     assert len(got["tasks"]) >= 2 and all(t == [core] for t in got["tasks"])
     assert got["threads"] == 1 and got["child"] == str([core]) and got["omp"] == "1" and got["bind"] == str(core)
+    assert got["outside"] == [core]

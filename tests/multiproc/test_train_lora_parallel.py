@@ -1,4 +1,4 @@
-"""trainer.lora under TP=2, TP=2 + sequence parallel, PP=2 and DP=2 (2 gloo processes) equals one process:
+"""trainer.lora under TP=2, TP=2 + sequence parallel, PP=2, CP=2 and DP=2 (2 gloo processes) equals one process:
 the same RL-step loss and metrics and the same adapter gradients (PEFT-named, TP-gathered), starting
 from the same nonzero adapters; and DP=2 with the distributed optimizer takes the same Adam step on the
 adapters as DP=2 without it.
@@ -8,8 +8,8 @@ reference, 2 ranks for every parallel case. The one-process run is itself checke
 tests/unit/test_train_lora.py.
 Tolerance: float32 through the adapted tiny model's chain of matmuls, reductions <= its 301-token
 vocabulary (support.tolerances.network_error, 2.9e-4 relative, to each tensor's largest element): the
-layouts sum the same terms in other orders (TP partial sums of A x, SP reduce-scatters, PP stages, DP
-all-reduce of the gradient buffers).
+layouts sum the same terms in other orders (TP partial sums of A x, SP reduce-scatters, PP stages, CP
+attention over gathered keys, DP and CP all-reduce of the gradient buffers).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CASES = {  # name -> (world size, trainer keys)
     "tp2": (2, {"tensor_parallel": 2}),
     "tp2_sp": (2, {"tensor_parallel": 2, "sequence_parallel": True}),
     "pp2": (2, {"pipeline_parallel": 2}),
+    "cp2": (2, {"context_parallel": 2}),  # adapters act per token; the gradients sum over the CP group too
     "dp2": (2, {"data_parallel": 2}),
     "dp2_distopt": (2, {"data_parallel": 2, "distributed_optimizer": True}),
 }

@@ -167,9 +167,11 @@ class PackedMicroBatch:
         """Indices of the positions whose label carries loss, on the micro-batch's device."""
         return torch.nonzero(self.loss_mask[0] > 0).squeeze(1)
 
-    def at_positions(self, index: torch.Tensor) -> "PackedMicroBatch":
+    def at_positions(self, index: torch.Tensor | None) -> "PackedMicroBatch":
         """This micro-batch at `index`'s positions only (every per-position tensor; the row's boundaries
-        stay): what a loss reads when the logits were made at those positions alone."""
+        stay): what a loss reads when the logits were made at those positions alone. None: `self`."""
+        if index is None:
+            return self
         picked = {f.name: getattr(self, f.name).index_select(-1, index) for f in dataclasses.fields(self)
                   if f.name != "cu_seqlens" and isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **picked)

@@ -125,13 +125,6 @@ def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool, positions: torch.
         return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
 
 
-def _forward_for_loss(model_chunk, mb: PackedMicroBatch, use_thd: bool) -> tuple[torch.Tensor, PackedMicroBatch]:
-    """The chunk's output on `mb`, and `mb` at the positions of that output (`_logit_positions`)."""
-    positions = _logit_positions(model_chunk, mb)
-    out = _forward(model_chunk, mb, use_thd, positions)
-    return out, (mb if positions is None else mb.at_positions(positions))
-
-
 def _logit_positions(model_chunk, mb: PackedMicroBatch) -> torch.Tensor | None:
     """The positions whose logits a loss or logprob pass reads (those with a loss label), when the
     chunk holds the output layer and may apply it to them alone; None: at every position. Why: the
@@ -264,8 +257,10 @@ def _loss_func(mb: PackedMicroBatch, ctx: StepContext, objective: Objective, out
 
 
 def _forward_step(ctx: StepContext, objective: Objective, data_iterator, model_chunk):
-    output, at_output = _forward_for_loss(model_chunk, next(data_iterator), ctx.use_thd)
-    return output, partial(_loss_func, at_output, ctx, objective)
+    mb = next(data_iterator)
+    positions = _logit_positions(model_chunk, mb)
+    output = _forward(model_chunk, mb, ctx.use_thd, positions)
+    return output, partial(_loss_func, mb.at_positions(positions), ctx, objective)
 
 
 def _reduce_metrics(stores: list[dict], ctx: StepContext, device: torch.device) -> dict[str, float]:
@@ -371,18 +366,19 @@ def _schedule(model: list, prepared: PreparedMinibatch, forward_step, forward_on
             seq_length=prepared.packed.seq_length, micro_batch_size=1, forward_only=forward_only)
 
 
-def _store_logprobs(mb: PackedMicroBatch, at_output: PackedMicroBatch, ctx: StepContext, field: str,
+def _store_logprobs(mb: PackedMicroBatch, positions: torch.Tensor | None, ctx: StepContext, field: str,
                     output: torch.Tensor):
-    """`mb.<field>`: the logprobs of `output` (made at `at_output`'s positions) over the whole row."""
+    """`mb.<field>`: the logprobs of `output` (made at `positions` of the row, None: all) over the whole row."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group() if ctx.layout.tp > 1 else None
+    at_output = mb.at_positions(positions)
     with torch.no_grad():
         logp = token_logprobs(_tempered(output, at_output), at_output.labels, tp_group=tp_group,
                               vocab_size=ctx.vocab_size)
         logp = torch.where(at_output.loss_mask > 0, logp.float(), 0.0)
-        if at_output is not mb:
-            logp = torch.zeros_like(mb.loss_mask).index_copy_(1, mb.loss_positions(), logp)
+        if positions is not None:
+            logp = torch.zeros_like(mb.loss_mask).index_copy_(1, positions, logp)
     setattr(mb, field, logp)
     # a dummy loss; a count of 1 keeps the schedule's normalisation finite (both on the model's device,
     # where the schedule accumulates the counts)
@@ -392,8 +388,8 @@ def _store_logprobs(mb: PackedMicroBatch, at_output: PackedMicroBatch, ctx: Step
 
 def _logprob_step(ctx: StepContext, field: str, data_iterator, model_chunk):
     mb = next(data_iterator)
-    output, at_output = _forward_for_loss(model_chunk, mb, ctx.use_thd)
-    return output, partial(_store_logprobs, mb, at_output, ctx, field)
+    positions = _logit_positions(model_chunk, mb)
+    return _forward(model_chunk, mb, ctx.use_thd, positions), partial(_store_logprobs, mb, positions, ctx, field)
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ vs HF transformers + torch AdamW on the same batch, same loss, same precision, i
 
     .venv/bin/python benchmarks/trainer.py [--model smollm2-135m] [--seqs 16] [--min-len 64]
         [--max-len 256] [--micro-tokens 1024] [--steps 3] [--precision fp32]
-        [--core-attention segment|megatron]
+        [--core-attention segment|megatron] [--group-size 8 [--no-share-prompts]]
 
 The HF baseline pads each micro-batch of `--hf-micro` sequences to its longest sequence (the usual
 way) and uses the reference clipped loss with the same token normaliser. The two steps alternate
@@ -13,6 +13,9 @@ Prints tokens/s of both (real tokens only, median over `--steps` rounds) and the
 process (TP=PP=DP=1); on GPU both run on the device. `--core-attention megatron` builds the local
 spec with Megatron's DotProductAttention (full [T, T] masked scores) instead of the default
 SegmentCausalAttention, to measure what the per-segment attention changes (CPU / no TE only).
+`--group-size K`: the sequences come in groups of K samples of one prompt (GRPO's groups; the prompt
+is `--prompt-frac` of the group's first sample); our trainer holds each prompt once per micro-batch
+(trainer.share_prompts) unless `--no-share-prompts`, while HF computes every sequence whole, the usual way.
 """
 from __future__ import annotations
 
@@ -23,16 +26,19 @@ import time
 import torch
 
 
-def make_batch(vocab: int, n: int, min_len: int, max_len: int, seed: int = 0, prompt_frac: float = 0.25):
+def make_batch(vocab: int, n: int, min_len: int, max_len: int, seed: int = 0, prompt_frac: float = 0.25,
+               group_size: int = 1):
     from megatron_rl.records import Batch, TrainSequence
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(n):
         total = int(torch.randint(min_len, max_len + 1, (), generator=g))
-        prompt = min(total - 1, max(1, int(total * prompt_frac)))
-        ids = torch.randint(0, vocab, (total,), generator=g).tolist()
-        seqs.append(TrainSequence(ids, prompt, [-2.0] * (total - prompt), advantage=float(i % 2) * 2 - 1))
+        if i % group_size == 0:  # a new group: its prompt
+            prompt_ids = torch.randint(0, vocab, (min(total - 1, max(1, int(total * prompt_frac))),), generator=g)
+        prompt = len(prompt_ids)
+        ids = prompt_ids.tolist() + torch.randint(0, vocab, (max(1, total - prompt),), generator=g).tolist()
+        seqs.append(TrainSequence(ids, prompt, [-2.0] * (len(ids) - prompt), advantage=float(i % 2) * 2 - 1))
     return Batch(seqs, n_mini=1, policy_version=0)
 
 
@@ -96,6 +102,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--prompt-frac", type=float, default=0.25, help="share of each sequence that is prompt (no "
                     "loss; the CPU demo's rows are ~0.65 prompt)")
+    ap.add_argument("--group-size", type=int, default=1, help="samples per prompt (default 1: every prompt "
+                    "its own)")
+    ap.add_argument("--no-share-prompts", action="store_true", help="trainer.share_prompts: false")
     ap.add_argument("--micro-tokens", type=int, default=1024, help="packing bin capacity (Megatron)")
     ap.add_argument("--hf-micro", type=int, default=4, help="sequences per padded HF micro-batch")
     ap.add_argument("--steps", type=int, default=3)
@@ -115,9 +124,11 @@ def main() -> None:
     from megatron_rl.train.trainer import Trainer
 
     cfg = config_from_dict({"trainer": {"model": args.model, "precision": args.precision, "lr": 1e-6,
-                                        "micro_batch_tokens": args.micro_tokens}})
+                                        "micro_batch_tokens": args.micro_tokens,
+                                        "share_prompts": not args.no_share_prompts}})
     trainer = Trainer(cfg)
-    batch = make_batch(trainer.dims.vocab_size, args.seqs, args.min_len, args.max_len, prompt_frac=args.prompt_frac)
+    batch = make_batch(trainer.dims.vocab_size, args.seqs, args.min_len, args.max_len, prompt_frac=args.prompt_frac,
+                       group_size=args.group_size)
     real = sum(len(s.token_ids) for s in batch.sequences)
     metrics: dict = {}
 
@@ -139,7 +150,8 @@ def main() -> None:
           f"precision {args.precision}, device {device.type}, torch threads {torch.get_num_threads()}, "
           f"core attention {args.core_attention}")
     print(f"packing: {int(last['n_micro_batches'])} micro-batches of <= {args.micro_tokens} tokens, padding "
-          f"{last['padding_fraction']:.1%} (naive padding to the longest: {last['naive_padding_fraction']:.1%})")
+          f"{last['padding_fraction']:.1%} (naive padding to the longest: {last['naive_padding_fraction']:.1%}); "
+          f"prompts held once: {last['shared_prompt_fraction']:.1%} of the tokens (groups of {args.group_size})")
     print(f"megatron_rl trainer : {meg:8.1f} tok/s  (step times {[round(t, 2) for t in meg_times]})")
     print(f"HF + torch AdamW    : {base:8.1f} tok/s  (step times {[round(t, 2) for t in hf_times]})")
     print(f"ratio megatron_rl / HF: {ratio:.2f}x  (median of per-round ratios; ratio of medians "

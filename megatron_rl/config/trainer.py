@@ -66,6 +66,11 @@ class TrainerConfig:
     adam_beta2: float = 0.95
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192  # packing bin capacity
+    # A micro-batch holds a prompt once for its sequences that share it (a group's samples): their
+    # completions attend to one copy, so the trainer computes a group's prompt once instead of once per
+    # sample. Exact; where the attention is train.attention's (not Transformer Engine's), without CP or
+    # MTP (elsewhere every sequence is packed whole, as with false). docs/train.md "Shared prompts".
+    share_prompts: bool = True
     precision: Literal["fp32", "bf16"] = "bf16"
     distributed_optimizer: bool = True
     seed: int = 1234

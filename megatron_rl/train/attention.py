@@ -33,6 +33,11 @@ Otherwise (CPU, fp32, CP, head dim not a multiple of 8 or > 256, or the first ca
 per-segment SDPA loop runs: same result, more launches. `SegmentCausalAttention.varlen` says which.
 Constructing the module also installs `packed_rope` (Megatron's unfused THD RoPE, vectorised).
 
+Shared prompts (`SharedPrefixSeqParams`, built by train.packing): a segment whose `segment_parents`
+entry names another segment attends to all of that prefix segment's tokens and causally to its own
+(a window counts positions across both), exactly what it would see as one sequence [prefix, segment].
+Such rows take the per-segment loop (not varlen_attn, not CP).
+
 Context parallel (config.context_parallel_size > 1): q/k/v hold this CP rank's load-balanced chunks
 and `cu_seqlens_q` the whole row's boundaries (or, with no mask, each row is one causal sequence
 split the same way); `cp_attention.cp_attention` gathers K/V over the CP group and attends each query
@@ -45,11 +50,13 @@ import inspect
 import math
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -62,11 +69,36 @@ class UnsupportedMaskError(ValueError):
     """An attention mask this module cannot interpret as block-diagonal causal segments."""
 
 
+@dataclass
+class SharedPrefixSeqParams(PackedSeqParams):
+    """THD params of a row with shared prompts: segment i of cu_seqlens_q continues segment
+    `segment_parents[i]` (-1: none), whose tokens it sees before its own."""
+
+    segment_parents: tuple[int, ...] = ()
+
+
+def prefix_bounds(params, total: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(start, end) of a segment: (start, end) of the prefix segment it continues}; {} without any."""
+    parents = getattr(params, "segment_parents", ())
+    if not parents:
+        return {}
+    cu = [int(x) for x in params.cu_seqlens_q.tolist()]
+    if len(parents) != len(cu) - 1 or cu[-1] != total:
+        raise ValueError(f"{len(parents)} segment parents for {len(cu) - 1} segments over {cu[-1]} of {total} tokens")
+    out = {}
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            if not (parent < i and parents[parent] < 0):
+                raise ValueError(f"segment {i} continues segment {parent}: a prefix comes first and has none")
+            out[(cu[i], cu[i + 1])] = (cu[parent], cu[parent + 1])
+    return out
+
+
 # One mask object serves every layer of a forward: remember the segments read off the last one.
 _MASK_CACHE: dict = {"ref": None, "version": -1, "segments": None}
 # Likewise one PackedSeqParams object per micro-batch forward: its boundaries are read to the host
 # (a device sync) once, not once per layer.
-_PACKED_CACHE: dict = {"ref": None, "key": None, "segments": None, "cu": {}}
+_PACKED_CACHE: dict = {"ref": None, "key": None, "segments": None, "prefixes": {}, "cu": {}}
 
 
 def _load_varlen():
@@ -144,7 +176,8 @@ def _packed_segments(params, total: int, device: torch.device) -> tuple[list[tup
         if kv is not None and kv is not q and not torch.equal(q.cpu(), kv.cpu()):
             raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
         segments = segments_from_cu_seqlens(q, total)
-        _PACKED_CACHE.update(ref=weakref.ref(params), key=key, segments=segments, cu={})
+        _PACKED_CACHE.update(ref=weakref.ref(params), key=key, segments=segments, cu={},
+                             prefixes=prefix_bounds(params, total))
     segments, by_device = _PACKED_CACHE["segments"], _PACKED_CACHE["cu"]
     if device not in by_device:  # empty segments dropped: the kernel sees exactly the checked ones
         bounds = [0] + [e for _, e in segments]
@@ -250,6 +283,16 @@ class SegmentCausalAttention(MegatronModule):
                                        "attention is supported")
         return [[(0, s * self.cp_size)]]
 
+    def _attend_after_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+        """q [n, np, L, hn], k/v [n, ng, prefix + L, hn] (the prefix's keys first) -> [n, np, L, hn]:
+        query i sits at position prefix + i and sees keys 0 .. prefix + i (within the window)."""
+        length = q.shape[2]
+        i = torch.arange(length, device=q.device)[:, None] + prefix
+        d = i - torch.arange(prefix + length, device=q.device)[None, :]
+        allowed = (d >= 0) if self.window_left is None else (d >= 0) & (d <= self.window_left)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+                                              enable_gqa=self.heads_per_rank != self.groups_per_rank)
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [n, np, L, hn], k/v [n, ng, L, hn] -> [n, np, L, hn], causal (+ window) per row."""
         length = q.shape[2]
@@ -280,7 +323,10 @@ class SegmentCausalAttention(MegatronModule):
                              f"per rank, got {nq} and {key.shape[2]}")
         rows = self._segments(s, b, attention_mask, attn_mask_type, packed_seq_params, query.device)
         multi_segment = len(rows) > 1 or len(rows[0]) > 1
-        if multi_segment and self._varlen_applies(query):
+        prefixes = _PACKED_CACHE["prefixes"] if packed_seq_params is not None else {}
+        if prefixes and (self.cp_size > 1 or b != 1):
+            raise ValueError("shared prompts need one packed row without context parallelism")
+        if multi_segment and not prefixes and self._varlen_applies(query):
             if packed_seq_params is not None and b == 1:  # THD: the trainer's path, no copy
                 cu = _packed_segments(packed_seq_params, s, query.device)[1]
             else:
@@ -301,11 +347,20 @@ class SegmentCausalAttention(MegatronModule):
             outs = []
             for r in range(b):
                 segs = rows[r if len(rows) > 1 else 0]
-                outs.append(torch.cat([self._attend(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e])
-                                       for a, e in segs], dim=2))
+                outs.append(torch.cat([self._attend_segment(q[r:r + 1], k[r:r + 1], v[r:r + 1], a, e,
+                                                            prefixes.get((a, e))) for a, e in segs], dim=2))
             out = torch.cat(outs, dim=0) if b > 1 else outs[0]
         out = out.permute(2, 0, 1, 3).reshape(s, b, nq * hn)  # [s, b, np * hn]
         return out
+
+    def _attend_segment(self, q, k, v, a: int, e: int, prefix: tuple[int, int] | None) -> torch.Tensor:
+        """Tokens a..e of the row [1, h, T, hn], after the prefix segment they continue, if any."""
+        if prefix is None:
+            return self._attend(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e])
+        pa, pe = prefix
+        keys = torch.cat([k[:, :, pa:pe], k[:, :, a:e]], dim=2)
+        values = torch.cat([v[:, :, pa:pe], v[:, :, a:e]], dim=2)
+        return self._attend_after_prefix(q[:, :, a:e], keys, values, pe - pa)
 
     def _varlen_key(self, query: torch.Tensor) -> tuple:
         return (query.device.type, query.dtype, self.head_dim, self.window_left,

@@ -14,6 +14,10 @@ the one Megatron computes per sequence. The positions and cos/sin are built once
 cu_seqlens) pair, i.e. once per micro-batch forward (every layer gets the same two tensors), with one
 host read of the boundaries. Every other case (TE fusion, CP > 1, MLA, no cu_seqlens, freqs holding
 whole-row positions) goes to Megatron's function unchanged.
+
+A row with shared prompts (train.packing) gives its tokens' positions itself (`with_positions`): a
+branch continues its prefix's positions instead of restarting at its segment's start. Such a row
+outside the handled case raises (Megatron's function would restart them).
 """
 from __future__ import annotations
 
@@ -23,6 +27,19 @@ import torch
 
 # the last (freqs, cu_seqlens) pair seen and the cos/sin per dtype built for it
 _CACHE: dict = {"key": None, "refs": None, "positions": None, "cos_sin": {}}
+# the attribute of a cu_seqlens tensor holding its row's positions (`with_positions`): the tensor is
+# what Megatron's attention hands to apply_rotary_pos_emb, so the positions travel with it
+_POSITIONS_ATTR = "mrl_rope_positions"
+
+
+def with_positions(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`cu_seqlens`, carrying every token's RoPE position ([total] long) for the packed apply."""
+    setattr(cu_seqlens, _POSITIONS_ATTR, positions)
+    return cu_seqlens
+
+
+def given_positions(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    return getattr(cu_seqlens, _POSITIONS_ATTR, None)
 
 
 def _positions(cu_seqlens: torch.Tensor, total: int, max_positions: int) -> torch.Tensor:
@@ -43,7 +60,13 @@ def packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, ms
     key = (id(freqs), freqs._version, id(cu_seqlens), cu_seqlens._version, total)
     refs = _CACHE["refs"]
     if _CACHE["key"] != key or refs is None or refs[0]() is not freqs or refs[1]() is not cu_seqlens:
-        positions = _positions(cu_seqlens, total, freqs.size(0)).to(freqs.device)
+        positions = given_positions(cu_seqlens)
+        if positions is None:
+            positions = _positions(cu_seqlens, total, freqs.size(0))
+        elif positions.numel() != total or int(positions.max()) >= freqs.size(0):
+            raise ValueError(f"{positions.numel()} given RoPE positions up to {int(positions.max())} for "
+                             f"{total} tokens and {freqs.size(0)} frequencies")
+        positions = positions.to(freqs.device)
         _CACHE.update(key=key, refs=(weakref.ref(freqs), weakref.ref(cu_seqlens)), positions=positions,
                       cos_sin={})
     cos_sin = _CACHE["cos_sin"]
@@ -67,6 +90,9 @@ def make_packed_apply(original):
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
         if not _handles(t, freqs, config, cu_seqlens, cp_group, kwargs):
+            if given_positions(cu_seqlens) is not None:
+                raise ValueError("a packed row with shared prompts needs the unfused THD RoPE without CP, MLA "
+                                 "or fusion (set trainer.share_prompts: false)")
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kwargs)
         cos_, sin_ = packed_cos_sin(freqs, cu_seqlens, t.size(0), mscale, t.dtype)
         x = t.unsqueeze(1)  # [t, 1, h, d], as Megatron's bshd apply sees each sequence

@@ -20,6 +20,15 @@ and carry no loss, no behaviour logprob and no version); `behaviour_logprobs` an
 placed there as well. The last token of each sequence
 predicts nothing inside the bin (its label is masked), so sequences never leak into each other.
 
+Shared prompts (`share_prompts=True`): sequences of a bin whose tokens before their last prompt
+token are the same (a group's samples of one prompt) hold that prefix once: the row is [prefix]
+[branch 1] ... [branch k], each branch a sequence's tokens from its last prompt token on, with
+positions continuing the prefix's. `segment_parents` then says, per segment of `cu_seqlens`, the
+prefix segment it continues (-1: none): a branch attends to its prefix and causally to itself
+(train.attention), its RoPE positions are `position_ids` (train.packed_rope), and every loss position
+lies in a branch, so the prefix's gradient sums its branches' exactly as the unshared rows' would.
+Not with CP, nor for sequences with routed experts (their prompt routes may differ per sample).
+
 Routing replay: `routed_experts` ([layers, topk, T], T last so that `cp_slice` keeps each rank's
 tokens) holds each sequence's `TrainSequence.routed_experts` at its own positions; -1 where the
 router routes by itself (each sequence's last token, padding, sequences without routes).
@@ -37,11 +46,8 @@ from megatron_rl.algo.mismatch import mixed_context
 from megatron_rl.records import RoutedExperts, TrainSequence
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into bins whose sums are <= capacity (first-fit decreasing).
-
-    Ties keep input order so the result is deterministic on every rank.
-    """
+def check_fits(lengths: Sequence[int], capacity: int) -> None:
+    """ValueError naming the first sequence that no bin of `capacity` tokens can hold."""
     if capacity < 1:
         raise ValueError(f"bin capacity must be >= 1, got {capacity}")
     for i, n in enumerate(lengths):
@@ -50,6 +56,14 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
         if n > capacity:
             raise ValueError(f"sequence {i} has {n} tokens, more than the micro-batch capacity "
                              f"{capacity} (raise trainer.micro_batch_tokens or cap generation length)")
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins whose sums are <= capacity (first-fit decreasing).
+
+    Ties keep input order so the result is deterministic on every rank.
+    """
+    check_fits(lengths, capacity)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     free: list[int] = []
@@ -121,6 +135,9 @@ class PackedMicroBatch:
     # int16 [layers, topk, T]: the generator's expert ids per position (routing replay; -1: the router's
     # own choice); None: no sequence of the bin has routes
     routed_experts: torch.Tensor | None = None
+    # per segment of cu_seqlens: the index of the prefix segment it continues, -1 for none; None: the row
+    # is block-diagonal causal (no shared prompt)
+    segment_parents: tuple[int, ...] | None = None
 
     @property
     def length(self) -> int:
@@ -158,6 +175,8 @@ class PackedMicroBatch:
             raise ValueError("micro-batch already sliced for context parallelism")
         if cp_size == 1:
             return self
+        if self.segment_parents is not None:
+            raise ValueError("a row with shared prompts cannot be split for context parallelism")
         index = cp_token_index(self.cu_seqlens, cp_size, cp_rank).to(self.tokens.device)
         sliced = {f.name: getattr(self, f.name).index_select(-1, index) for f in dataclasses.fields(self)
                   if f.name != "cu_seqlens" and isinstance(getattr(self, f.name), torch.Tensor)}
@@ -180,6 +199,9 @@ class PackedMicroBatch:
         """Block-diagonal causal mask `[1, 1, T, T]`, Megatron convention: True = masked out."""
         if self.cp is not None:
             raise ValueError("a context-parallel micro-batch has no [T, T] mask: use packed_seq_params()")
+        if self.segment_parents is not None:
+            raise ValueError("a row with shared prompts has no block-diagonal mask: use packed_seq_params() "
+                             "with train.attention's SegmentCausalAttention")
         seg = self.segment_ids
         same = seg.unsqueeze(0) == seg.unsqueeze(1)
         causal = torch.ones(self.length, self.length, dtype=torch.bool, device=seg.device).tril_()
@@ -191,6 +213,18 @@ class PackedMicroBatch:
 
         # whole-row boundaries (each segment a multiple of 2*CP under CP), as TE's THD CP attention wants
         cu = self.cu_seqlens.to(torch.int32)
+        if self.segment_parents is not None:
+            from megatron_rl.train.packed_rope import with_positions
+
+            # RoPE reads the branches' positions (continuing their prefix's), which reach past the
+            # longest segment: Megatron sizes its frequency table by max_seqlen
+            positions = self.position_ids[0]
+            longest = int(positions.max().item()) + 1
+            from megatron_rl.train.attention import SharedPrefixSeqParams
+
+            return SharedPrefixSeqParams(qkv_format="thd", cu_seqlens_q=with_positions(cu, positions),
+                                         cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                                         segment_parents=self.segment_parents)
         max_len = int((cu[1:] - cu[:-1]).max().item())
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                max_seqlen_q=max_len, max_seqlen_kv=max_len)
@@ -203,10 +237,12 @@ class PackingStats:
     real_tokens: int  # tokens of the sequences themselves
     packed_tokens: int  # tokens actually computed (bins after padding)
     naive_tokens: int  # tokens if every sequence were padded to the longest one
+    shared_tokens: int = 0  # prompt tokens not in the bins: held once for several sequences
 
     @property
     def padding_fraction(self) -> float:
-        return 1.0 - self.real_tokens / self.packed_tokens if self.packed_tokens else 0.0
+        computed = self.real_tokens - self.shared_tokens
+        return 1.0 - computed / self.packed_tokens if self.packed_tokens else 0.0
 
     @property
     def naive_padding_fraction(self) -> float:
@@ -252,8 +288,50 @@ def _empty_routes(seqs: Sequence[TrainSequence], indices: list[int], length: int
     return torch.full((routed[0].layers, routed[0].topk, length), -1, dtype=torch.int16) if routed else None
 
 
-def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Sequence[float],
+@dataclass(frozen=True)
+class _Unit:
+    """What packing places whole: one sequence (prefix 0), or sequences sharing their first `prefix` tokens."""
+
+    members: tuple[int, ...]
+    prefix: int = 0
+
+    def length(self, lengths: Sequence[int]) -> int:
+        return self.prefix + sum(lengths[i] - self.prefix for i in self.members)
+
+
+def _shared_prompt_units(seqs: Sequence[TrainSequence], lengths: Sequence[int], capacity: int) -> list[_Unit]:
+    """Sequences grouped by their tokens before the last prompt token (those equal in several sequences
+    are held once), each group cut so that it fits `capacity`; the others alone. In input order."""
+    by_prefix: dict[bytes, list[int]] = {}
+    units: list[_Unit | list[int]] = []
+    for i, s in enumerate(seqs):
+        if s.prompt_len < 2 or s.routed_experts is not None:
+            units.append(_Unit((i,)))
+            continue
+        key = np.asarray(s.token_ids[:s.prompt_len - 1], dtype=np.int64).tobytes()
+        if key not in by_prefix:
+            by_prefix[key] = []
+            units.append(by_prefix[key])  # placed where its first member is
+        by_prefix[key].append(i)
+    out: list[_Unit] = []
+    for u in units:
+        if isinstance(u, _Unit):
+            out.append(u)
+            continue
+        q = seqs[u[0]].prompt_len - 1
+        chunk: list[int] = []
+        for i in u:  # greedy in order: a chunk stays under the capacity with its own copy of the prefix
+            if chunk and q + sum(lengths[j] - q for j in chunk + [i]) > capacity:
+                out.append(_Unit(tuple(chunk), q if len(chunk) > 1 else 0))
+                chunk = []
+            chunk.append(i)
+        out.append(_Unit(tuple(chunk), q if len(chunk) > 1 else 0))
+    return out
+
+
+def _build_row(seqs: Sequence[TrainSequence], units: list[_Unit], advantages: Sequence[float],
                length: int, pad_id: int, seq_multiple: int = 1) -> PackedMicroBatch:
+    indices = [i for u in units for i in u.members]
     tokens = torch.full((length,), pad_id, dtype=torch.long)
     position_ids = torch.zeros(length, dtype=torch.long)
     labels = torch.zeros(length, dtype=torch.long)
@@ -262,55 +340,73 @@ def _build_row(seqs: Sequence[TrainSequence], indices: list[int], advantages: Se
     adv = torch.zeros(length, dtype=torch.float32)
     versions = torch.full((length,), -1, dtype=torch.long)
     mixed = torch.zeros(length, dtype=torch.bool)
-    segment_ids = torch.full((length,), len(indices), dtype=torch.long)
+    segment_ids = torch.full((length,), len(indices), dtype=torch.long)  # prefixes, padding: no sequence
     pad_mask = torch.ones(length, dtype=torch.bool)
     routed = _empty_routes(seqs, indices, length)
     temps = [float(seqs[i].temperature) for i in indices]
     temperature = torch.ones(length, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
-    cu = [0]
+    cu, parents = [0], []
     start = real = 0
-    for j, i in enumerate(indices):
-        s = seqs[i]
-        n, p = len(s.token_ids), s.prompt_len
-        ids = torch.tensor(s.token_ids, dtype=torch.long)
-        tokens[start:start + n] = ids
-        pad_mask[start:start + n] = False
-        labels[start:start + n - 1] = ids[1:]
-        # completion token k (p <= k < n) is predicted at position k-1
-        own = torch.ones(n - p) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
-        loss_mask[start + p - 1:start + n - 1] = own
-        blp[start + p - 1:start + n - 1] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * own
-        adv[start + p - 1:start + n - 1] = float(advantages[i]) * own
-        if s.weight_versions:
-            sampled = torch.tensor(s.weight_versions, dtype=torch.long)
-            versions[start + p - 1:start + n - 1] = torch.where(own > 0, sampled, -1)
-            mixed[start + p - 1:start + n - 1] = mixed_context(sampled, own)
-        if s.routed_experts is not None:  # positions 0 .. n-2: the last token was never routed by the generator
-            routed[:, :, start:start + n - 1] = routes_tensor(s.routed_experts).permute(1, 2, 0)
-        padded = _round_up(n, seq_multiple)  # CP: the segment's own pad tokens follow it (no loss)
-        position_ids[start:start + padded] = torch.arange(padded)
-        segment_ids[start:start + padded] = j
-        if temperature is not None:
-            temperature[start:start + padded] = temps[j]
-        start += padded
-        real += n
-        cu.append(start)
+    j = 0  # the sequence's index in the bin
+    for unit in units:
+        q, parent = unit.prefix, -1
+        if q:  # the shared prefix: context only (every loss position is at or after the last prompt token)
+            tokens[start:start + q] = torch.tensor(seqs[unit.members[0]].token_ids[:q], dtype=torch.long)
+            pad_mask[start:start + q] = False
+            position_ids[start:start + q] = torch.arange(q)
+            parent = len(parents)
+            parents.append(-1)
+            start += q
+            real += q
+            cu.append(start)
+        for i in unit.members:
+            s = seqs[i]
+            n, p = len(s.token_ids), s.prompt_len
+            # this sequence's tokens from index q on sit at start..; index k at row start + k - q
+            ids = torch.tensor(s.token_ids[q:], dtype=torch.long)
+            tokens[start:start + n - q] = ids
+            pad_mask[start:start + n - q] = False
+            labels[start:start + n - q - 1] = ids[1:]
+            # completion token k (p <= k < n) is predicted at position k-1
+            a, e = start + p - 1 - q, start + n - 1 - q
+            own = torch.ones(n - p) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+            loss_mask[a:e] = own
+            blp[a:e] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32) * own
+            adv[a:e] = float(advantages[i]) * own
+            if s.weight_versions:
+                sampled = torch.tensor(s.weight_versions, dtype=torch.long)
+                versions[a:e] = torch.where(own > 0, sampled, -1)
+                mixed[a:e] = mixed_context(sampled, own)
+            if s.routed_experts is not None:  # positions 0 .. n-2: the last token was never routed by the generator
+                routed[:, :, start:start + n - 1] = routes_tensor(s.routed_experts).permute(1, 2, 0)
+            padded = _round_up(n - q, seq_multiple)  # CP: the segment's own pad tokens follow it (no loss)
+            position_ids[start:start + padded] = torch.arange(q, q + padded)
+            segment_ids[start:start + padded] = j
+            if temperature is not None:
+                temperature[start:start + padded] = temps[j]
+            start += padded
+            real += n - q
+            cu.append(start)
+            parents.append(parent)
+            j += 1
     if start < length:  # padding: its own causal segment, positions from 0, no loss
         position_ids[start:] = torch.arange(length - start)
         cu.append(length)
+        parents.append(-1)
     return PackedMicroBatch(
         tokens=tokens.unsqueeze(0), position_ids=position_ids.unsqueeze(0), labels=labels.unsqueeze(0),
         loss_mask=loss_mask.unsqueeze(0), behaviour_logprobs=blp.unsqueeze(0), advantages=adv.unsqueeze(0),
         segment_ids=segment_ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        seq_indices=list(indices), n_real_tokens=real,
+        seq_indices=indices, n_real_tokens=real,
         temperature=None if temperature is None else temperature.unsqueeze(0),
         weight_versions=versions.unsqueeze(0), mixed_context=mixed.unsqueeze(0), pad_mask=pad_mask.unsqueeze(0),
-        routed_experts=routed)
+        routed_experts=routed, segment_parents=tuple(parents) if any(x >= 0 for x in parents) else None)
 
 
 def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Sequence[float] | None = None,
                    pad_multiple: int = 1, pad_to_common: bool = False, pad_id: int = 0,
-                   cp: tuple[int, int] = (1, 0), common_length: int = 0, min_bins: int = 0) -> PackedBatch:
+                   cp: tuple[int, int] = (1, 0), common_length: int = 0, min_bins: int = 0,
+                   share_prompts: bool = False) -> PackedBatch:
     """Pack `seqs` into bins of at most `capacity` tokens, one `PackedMicroBatch` per bin.
 
     advantages: one value per sequence (defaults to each sequence's own `advantage`).
@@ -321,6 +417,8 @@ def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Seq
     common_length, min_bins: with pad_to_common, bins at least this long (a multiple of the padding
         multiples), and empty bins (all padding, no loss) up to `min_bins` (MoE expert parallel: every
         rank of the EP group runs the same micro-batches, see step.prepare_minibatch).
+    share_prompts: hold a prompt once for the sequences of a bin that share it (module docstring); a
+        group whose sequences do not fit one bin together is cut, each part with its own prefix.
     """
     if not seqs:
         raise ValueError("cannot pack an empty list of sequences")
@@ -332,18 +430,26 @@ def pack_sequences(seqs: Sequence[TrainSequence], capacity: int, advantages: Seq
         advantages = [s.advantage for s in seqs]
     if len(advantages) != len(seqs):
         raise ValueError(f"{len(advantages)} advantages for {len(seqs)} sequences")
+    if share_prompts and cp[0] > 1:
+        raise ValueError("shared prompts cannot be packed for context parallelism")
     lengths = [len(s.token_ids) for s in seqs]
     padded = [_round_up(n, seq_multiple) for n in lengths]
-    bins = first_fit_decreasing(padded, capacity)
+    check_fits(padded, capacity)  # here, where the index is the sequence's
+    units = (_shared_prompt_units(seqs, lengths, capacity) if share_prompts
+             else [_Unit((i,)) for i in range(len(seqs))])
+    unit_lengths = [u.length(padded) for u in units]
+    bins = first_fit_decreasing(unit_lengths, capacity)
     # keep the order of the input inside each bin, and order bins by their first sequence
     bins = sorted((sorted(b) for b in bins), key=lambda b: b[0])
     bins += [[] for _ in range(min_bins - len(bins))]
-    used = [sum(padded[i] for i in b) for b in bins]
+    used = [sum(unit_lengths[u] for u in b) for b in bins]
     sizes = [_round_up(u, pad_multiple) for u in used]
     common = max(max(sizes), _round_up(common_length, pad_multiple))
     if pad_to_common:
         sizes = [common] * len(bins)
-    mbs = [_build_row(seqs, b, advantages, n, pad_id, seq_multiple).cp_slice(*cp) for b, n in zip(bins, sizes)]
+    mbs = [_build_row(seqs, [units[u] for u in b], advantages, n, pad_id, seq_multiple).cp_slice(*cp)
+           for b, n in zip(bins, sizes)]
+    shared = sum(u.prefix * (len(u.members) - 1) for u in units)
     stats = PackingStats(n_sequences=len(seqs), n_bins=len(bins), real_tokens=sum(lengths),
-                         packed_tokens=sum(sizes), naive_tokens=len(seqs) * max(lengths))
+                         packed_tokens=sum(sizes), naive_tokens=len(seqs) * max(lengths), shared_tokens=shared)
     return PackedBatch(micro_batches=mbs, stats=stats, seq_length=common)

@@ -120,7 +120,11 @@ def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool, positions: torch.
     with moe.router_padding(model_chunk, mb, kw) as kw, _output_layer_at(model_chunk, positions):
         routing_replay.set_targets(model_chunk, mb)  # MoE: the generator's experts (algo.routing_replay)
         # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
-        if use_thd or attention.uses_segment_attention(model_chunk):
+        segment_attention = attention.uses_segment_attention(model_chunk)
+        if mb.segment_parents is not None and not segment_attention:
+            raise ValueError("a packed row with shared prompts reached a model without train.attention's "
+                             "SegmentCausalAttention (set trainer.share_prompts: false)")
+        if use_thd or segment_attention:
             return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
         return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
 
@@ -333,7 +337,8 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
         ps.get_data_parallel_rank()]
     device = model_device(model)
     pack_args = dict(advantages=[advantages[i] for i in share], pad_multiple=_pad_multiple(model[0].config),
-                     pad_to_common=ctx.layout.pp > 1 or ctx.layout.ep > 1, cp=cp_size_rank())
+                     pad_to_common=ctx.layout.pp > 1 or ctx.layout.ep > 1, cp=cp_size_rank(),
+                     share_prompts=shares_prompts(model, ctx))
     packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens, **pack_args)
     if ctx.layout.ep > 1:  # MoE token dispatch is collective over EP: the same bins on every rank
         most = torch.tensor([packed.seq_length, len(packed.micro_batches)], device=device)
@@ -346,6 +351,18 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
         raise ValueError(f"interleaved pipeline needs the micro-batch count ({len(packed.micro_batches)}) to be "
                          f"a multiple of pp={ctx.layout.pp}; lower trainer.micro_batch_tokens or change the minibatch")
     return PreparedMinibatch(seqs, share, packed)
+
+
+def shares_prompts(model: list, ctx: StepContext) -> bool:
+    """trainer.share_prompts where a row can hold a prompt once for its sequences: every chunk attends
+    per segment (train.attention; Transformer Engine's kernels know no prefix segments), no context
+    parallelism, no multi-token prediction (it rolls labels along the whole row)."""
+    from megatron_rl.train import attention
+
+    config = model[0].config
+    return (ctx.trainer.share_prompts and ctx.layout.cp == 1 and not ctx.use_thd
+            and not getattr(config, "mtp_num_layers", None)
+            and all(attention.uses_segment_attention(chunk) for chunk in model))
 
 
 def _schedule(model: list, prepared: PreparedMinibatch, forward_step, forward_only: bool):
@@ -424,11 +441,13 @@ def forward_backward(model: list, seqs: Sequence[TrainSequence] | PreparedMiniba
         from megatron_rl.train import routing_replay
 
         metrics.update(routing_replay.agreement_metrics(model, device))
-    real, packed_tok = dp_sum_ints([packed.stats.real_tokens, packed.stats.packed_tokens], device)
+    real, packed_tok, shared = dp_sum_ints([packed.stats.real_tokens, packed.stats.packed_tokens,
+                                            packed.stats.shared_tokens], device)
     naive = len(seqs) * max(len(s.token_ids) for s in seqs)  # baseline: every sequence padded to the longest
     n_mbs = len(packed.micro_batches)
     metrics.update({
-        "tokens": float(real), "padding_fraction": 1.0 - real / packed_tok,
+        "tokens": float(real), "padding_fraction": 1.0 - (real - shared) / packed_tok,
+        "shared_prompt_fraction": shared / real,  # of the sequences' tokens, held once for several
         "naive_padding_fraction": 1.0 - real / naive, "n_micro_batches": float(n_mbs),
         "n_sequences": float(len(seqs)),
     })

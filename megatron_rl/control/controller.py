@@ -67,8 +67,10 @@ class Controller:
                         self._begin_update()  # push (weights the generators lack: restart, resume)
                     elif not self.flow.evaluation.active:  # an eval round is graded under one weight version
                         self._train()  # train on n_batch ready sequences, if there are
-                if not (self.stop_requested or self.updates_done >= total):
-                    self.flow.fill()  # fill: groups as the budget admits them (n_async, staleness bound)
+                # fill: groups as the budget admits them (n_async, staleness bound); none once the last
+                # update's batch is taken: they would only hold the generators from the final evaluation
+                if not (self.stop_requested or self.updates_done + self.training >= total):
+                    self.flow.fill()
                 for source, message in self.mailbox.poll(timeout_s=0.005):
                     self._dispatch(source, message)  # collect: rollouts, grades, replies (train -> push)
                 self.flow.collect_grades()  # grade: the controller's own grading pool

@@ -28,7 +28,7 @@ SERVING_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
-                gpus: tuple[int, ...] = ()) -> ServerSpec:
+                gpus: tuple[int, ...] = (), startup_cores: tuple[int, ...] = ()) -> ServerSpec:
     g = cfg.generator
     added = [SERVER_FLAG] if cfg.algo.routing_replay else []  # the server keeps every position's routes
     lora = cfg.trainer.lora
@@ -38,14 +38,15 @@ def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: in
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
                       extra_args=list(g.extra_args) + added, tp_size=g.tp_size, host=host, gpu_ids=gpus,
-                      dtype=SERVING_DTYPE[cfg.trainer.precision])
+                      dtype=SERVING_DTYPE[cfg.trainer.precision], startup_cores=startup_cores)
 
 
 def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
-                   gpus: tuple[int, ...] = (), poll_s: float = 0.01) -> None:
+                   gpus: tuple[int, ...] = (), poll_s: float = 0.01, startup_cores: tuple[int, ...] = ()) -> None:
     """`host`: this rank's node address; the server listens there and the controller and trainers
-    reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus)."""
-    spec = server_spec(cfg, index, model_dir, run_dir, port, host, gpus)
+    reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus).
+    `startup_cores`: where its server starts before it moves to this rank's cores (ServerSpec)."""
+    spec = server_spec(cfg, index, model_dir, run_dir, port, host, gpus, startup_cores)
     rank = mailbox.rank
     try:
         gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,

@@ -100,7 +100,7 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
     logs.setup(role, rank)
     roles = [layout.role(r) for r in range(layout.world_size)]
     gpus = assign_gpus(roles, nodes, cfg.generator.tp_size)[rank]
-    _place_on_cores(cfg, role, assign_cpus(roles, *gather_cores(comm), cfg.generator.tp_size)[rank])
+    start_cores = _place_on_cores(cfg, role, assign_cpus(roles, *gather_cores(comm), cfg.generator.tp_size)[rank])
     if role != "controller":  # only the controller reacts to SIGINT/SIGTERM; it stops the others in order
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -120,7 +120,7 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
 
         index = layout.generator_ranks.index(rank)
         generator_loop(mailbox, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index],
-                       nodes[rank].addr, gpus)
+                       nodes[rank].addr, gpus, startup_cores=start_cores)
     else:
         from megatron_rl.control.grading import verifier_loop
 
@@ -128,15 +128,20 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
     return 0
 
 
-def _place_on_cores(cfg: Config, role: str, cores: tuple[int, ...]) -> None:
+def _place_on_cores(cfg: Config, role: str, cores: tuple[int, ...]) -> tuple[int, ...]:
     """`run.cpu_placement: split` without a GPU: this rank (a trainer, or a generator and its server) on
-    its share of its host's cores (control/node.py)."""
+    its share of its host's cores (control/node.py). Returns the cores it had before, on which a
+    generator's server starts (nothing to train then: rollout/server.py's startup_cores); () otherwise."""
+    import os
+
     from megatron_rl.platform import has_cuda, run_on_cores
 
     if cfg.run.cpu_placement != "split" or not cores or has_cuda():
-        return
+        return ()
+    before = tuple(sorted(os.sched_getaffinity(0)))
     cores = run_on_cores(cores, cfg.generator.tp_size if role == "generator" else None)
     log.info("%s computes on cores %s, %d thread(s)", role, ",".join(map(str, cores)), len(cores))
+    return before if role == "generator" and set(before) != set(cores) else ()
 
 
 def _run_controller(comm, cfg: Config, layout: RankLayout, run_dir: Path, setup: dict) -> int:

@@ -102,6 +102,30 @@ def run_on_cores(cores: tuple[int, ...], sglang_tp: int | None = None) -> tuple[
     return cores
 
 
+def move_process_group(pgid: int, cores: tuple[int, ...] | set[int]) -> int:
+    """Every thread of every process in process group `pgid` onto `cores`; returns the threads moved.
+    (A server started on more cores than it computes on: see rollout/server.py's startup_cores.)"""
+    moved = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
+                continue
+            tids = os.listdir(f"/proc/{entry.name}/task")
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+                moved += 1
+            except OSError:  # a thread that ended meanwhile
+                pass
+    return moved
+
+
 def threads_per_rank(ranks: int) -> int:
     """This process's cores split evenly between `ranks` processes (at least one thread each)."""
     return max(1, len(os.sched_getaffinity(0)) // ranks)

@@ -9,6 +9,7 @@ is always passed (an idle server otherwise busy-polls a core that trainers need)
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.platform import has_cuda, sglang_cpu_env
+from megatron_rl.platform import has_cuda, move_process_group, sglang_cpu_env
 from megatron_rl.rollout.client import SGLangClient
 
 HOST = "127.0.0.1"  # the single-host default
@@ -61,6 +62,11 @@ class ServerSpec:
     dtype: str | None = None
     tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
     gpu_ids: tuple[int, ...] = ()  # its node-local GPUs, consecutive, one per TP rank (--base-gpu-id); () = SGLang's
+    # CPU cores the server may use while it starts (its three processes import torch and SGLang, then
+    # load the weights: ~1 min of one core for a small model); once healthy, every thread of it moves
+    # to its launcher's own cores. (): the launcher's cores throughout. `run.cpu_placement: split` gives
+    # a generator its host's cores here: at start-up the trainers have nothing to train yet.
+    startup_cores: tuple[int, ...] = ()
 
     def __post_init__(self):
         ids = tuple(self.gpu_ids)
@@ -118,6 +124,13 @@ def startup_timeout(configured: float | None, model_path: str | Path) -> tuple[f
     return (STARTUP_BASE_S + size / STARTUP_READ_BYTES_PER_S,
             f"derived from the model's {size / 1e9:.1f} GB: {STARTUP_BASE_S:.0f} s + its weights at "
             f"{STARTUP_READ_BYTES_PER_S / 1e6:.0f} MB/s")
+
+
+def _prepare_child(cores: tuple[int, ...]) -> None:
+    """In the server child before exec: die with its owner; on `cores` while it starts, when given."""
+    _terminate_with_parent()
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def _terminate_with_parent() -> None:
@@ -181,13 +194,16 @@ class SGLangServer:
         log.write(f"\n==== launch {' '.join(self.spec.command())}\n".encode())
         log.flush()
         # own session: the whole tree (scheduler, detokenizer) is one process group to kill
+        wide = self.spec.startup_cores
         self.proc = subprocess.Popen(self.spec.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_terminate_with_parent)
+                                     preexec_fn=functools.partial(_prepare_child, wide))
         log.close()
         self.incarnation += 1
         try:
             self.wait_healthy(*startup_timeout(self.spec.startup_timeout_s, self.spec.model_path))
+            if wide:
+                move_process_group(self.proc.pid, os.sched_getaffinity(0))
         except BaseException:
             self.stop()
             raise

@@ -359,3 +359,58 @@ def test_run_on_cores_moves_every_thread_and_what_the_process_starts():
     assert len(got["tasks"]) >= 2 and all(t == [core] for t in got["tasks"])
     assert got["threads"] == 1 and got["child"] == str([core]) and got["omp"] == "1" and got["bind"] == str(core)
     assert got["outside"] == [core]
+
+
+GROUP_CHILD = """
+import os, sys, threading, time
+# a process group of two processes with several threads each, as an SGLang server's tree
+if len(sys.argv) == 1:
+    import subprocess
+    kid = subprocess.Popen([sys.executable, __file__, "x"])
+for _ in range(3):
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_move_process_group_moves_every_thread_of_every_member(tmp_path):
+    """A server starts on more cores than it computes on (ServerSpec.startup_cores): once healthy its
+    whole process group, every thread of both processes, moves to the launcher's cores."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from megatron_rl.platform import move_process_group
+
+    cores = sorted(os.sched_getaffinity(0))
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_CHILD)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        members = []
+        for _ in range(100):  # the child process starts its threads too
+            members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(p) == proc.pid]
+            if len(members) == 2 and all(len(os.listdir(f"/proc/{m}/task")) >= 4 for m in members):
+                break
+            time.sleep(0.1)
+        assert len(members) == 2
+        tids = [(m, int(t)) for m in members for t in os.listdir(f"/proc/{m}/task")]
+        assert move_process_group(proc.pid, {cores[-1]}) == len(tids)
+        assert all(os.sched_getaffinity(t) == {cores[-1]} for _, t in tids)
+        assert os.sched_getaffinity(0) == set(cores)  # the caller is not in the group: it stays
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def _pgid(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[2])

@@ -67,10 +67,8 @@ class Controller:
                         self._begin_update()  # push (weights the generators lack: restart, resume)
                     elif not self.flow.evaluation.active:  # an eval round is graded under one weight version
                         self._train()  # train on n_batch ready sequences, if there are
-                # fill: groups as the budget admits them (n_async, staleness bound); none once the last
-                # update's batch is taken: they would only hold the generators from the final evaluation
-                if not (self.stop_requested or self.updates_done + self.training >= total):
-                    self.flow.fill()
+                if self.wants_groups():
+                    self.flow.fill()  # fill: groups as the budget admits them (n_async, staleness bound)
                 for source, message in self.mailbox.poll(timeout_s=0.005):
                     self._dispatch(source, message)  # collect: rollouts, grades, replies (train -> push)
                 self.flow.collect_grades()  # grade: the controller's own grading pool
@@ -84,6 +82,12 @@ class Controller:
         path = self.checkpoint()
         return {"updates": self.updates_done, "version": self.version, "checkpoint": str(path),
                 "stopped_early": self.updates_done < total}
+
+    def wants_groups(self) -> bool:
+        """Whether new groups may start: not after a stop request, nor once the last update's batch is
+        with the trainers (they would never be trained and would hold the generators from the final
+        evaluation)."""
+        return not (self.stop_requested or self.updates_done + self.training >= self.cfg.run.updates)
 
     # ================================================================== train, push, save
     def _train(self) -> None:

@@ -272,3 +272,26 @@ def test_a_dead_generators_eval_samples_go_to_a_live_one_with_the_eval_sampling(
         for g in m.groups:  # each group carries its own sampling: eval and training ones never mix
             assert (g.sampling_overrides().get("temperature") == 0.6) == is_eval_group(g.group_id)
     ctrl.shutdown()
+
+
+def test_no_group_starts_once_the_last_batch_is_taken(tmp_path):
+    """The run's last batch with the trainers: groups started then would never be trained, and would
+    hold the generators from the final round; before it (and before any batch) the budget fills."""
+    ctrl, comm = _controller(tmp_path, updates=2)
+    assert ctrl.wants_groups()
+    ctrl.flow.fill()
+    rollouts = _generate(ctrl, comm, version=0)
+    _grade_all(ctrl, comm)
+    assert len(rollouts) == N_ASYNC and len(ctrl.flow.budget.ready) == N_ASYNC
+    ctrl._train()  # update 1's batch
+    assert ctrl.training and ctrl.wants_groups()
+    ctrl.flow.fill()  # while it trains
+    _generate(ctrl, comm, version=0)
+    _grade_all(ctrl, comm)
+    ctrl.training, ctrl.updates_done = False, 1
+    ctrl._train()  # update 2's, the last
+    assert ctrl.training and not ctrl.wants_groups()
+    ctrl.training, ctrl.updates_done = False, 2
+    assert not ctrl.wants_groups()
+    ctrl.updates_done, ctrl.stop_requested = 0, True
+    assert not ctrl.wants_groups()

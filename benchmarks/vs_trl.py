@@ -52,18 +52,12 @@ SETUP_HINT = ".venv/bin/python benchmarks/vs_trl.py --setup"
 
 # ============================================================== memory: sum of PSS over a process tree
 def children_map() -> dict[int, list[int]]:
-    """ppid -> pids, from /proc/*/stat (the field after the command name, which may hold spaces)."""
+    """ppid -> pids of the processes now living."""
+    from megatron_rl.platform import process_table
+
     out: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        out.setdefault(ppid, []).append(int(entry.name))
+    for pid, ppid, _ in process_table():
+        out.setdefault(ppid, []).append(pid)
     return out
 
 

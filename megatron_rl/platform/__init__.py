@@ -102,20 +102,33 @@ def run_on_cores(cores: tuple[int, ...], sglang_tp: int | None = None) -> tuple[
     return cores
 
 
-def move_process_group(pgid: int, cores: tuple[int, ...] | set[int]) -> int:
-    """Every thread of every process in process group `pgid` onto `cores`; returns the threads moved.
-    (A server started on more cores than it computes on: see rollout/server.py's startup_cores.)"""
-    moved = 0
+def process_table() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process now living, from /proc/*/stat (read after
+    the command name, which may hold spaces)."""
+    table = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as f:
                 stat = f.read()
-            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
-                continue
-            tids = os.listdir(f"/proc/{entry.name}/task")
-        except (OSError, ValueError):
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        table.append((int(entry.name), int(fields[1]), int(fields[2])))
+    return table
+
+
+def move_process_group(pgid: int, cores: tuple[int, ...] | set[int]) -> int:
+    """Every thread of every process in process group `pgid` onto `cores`; returns the threads moved.
+    (A server started on more cores than it computes on: see rollout/server.py's startup_cores.)"""
+    moved = 0
+    for pid, _, group in process_table():
+        if group != pgid:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
             continue  # gone meanwhile
         for tid in tids:
             try:

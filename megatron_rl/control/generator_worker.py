@@ -7,6 +7,7 @@ re-sends the current weights.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from megatron_rl.control.episodes import episode_setup
 from megatron_rl.control.mailbox import CONTROLLER, Mailbox
 from megatron_rl.control.protocol import (FinishUpdate, GenerateRequest, PauseForUpdate, RolloutsReport, Stop,
                                           WorkerFailure)
+from megatron_rl.platform import move_processes
 from megatron_rl.rollout.generator import Generator, GeneratorDied
 from megatron_rl.rollout.routing import SERVER_FLAG, RoutingShape
 from megatron_rl.rollout.adapters import lora_server_args
@@ -28,7 +30,8 @@ SERVING_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
-                gpus: tuple[int, ...] = (), startup_cores: tuple[int, ...] = ()) -> ServerSpec:
+                gpus: tuple[int, ...] = (), shared_cores: tuple[int, ...] = (),
+                cpu_cores: tuple[int, ...] = ()) -> ServerSpec:
     g = cfg.generator
     added = [SERVER_FLAG] if cfg.algo.routing_replay else []  # the server keeps every position's routes
     lora = cfg.trainer.lora
@@ -38,15 +41,19 @@ def server_spec(cfg: Config, index: int, model_dir: str, run_dir: Path, port: in
                       log_path=str(run_dir / f"sglang-{index}.log"), mem_fraction_static=g.mem_fraction_static,
                       startup_timeout_s=g.startup_timeout_s, request_idle_timeout_s=g.request_idle_timeout_s,
                       extra_args=list(g.extra_args) + added, tp_size=g.tp_size, host=host, gpu_ids=gpus,
-                      dtype=SERVING_DTYPE[cfg.trainer.precision], startup_cores=startup_cores)
+                      dtype=SERVING_DTYPE[cfg.trainer.precision], shared_cores=shared_cores,
+                      cpu_cores=cpu_cores)
 
 
 def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, run_dir: Path, port: int, host: str,
-                   gpus: tuple[int, ...] = (), poll_s: float = 0.01, startup_cores: tuple[int, ...] = ()) -> None:
+                   gpus: tuple[int, ...] = (), poll_s: float = 0.01, shared_cores: tuple[int, ...] = ()) -> None:
     """`host`: this rank's node address; the server listens there and the controller and trainers
     reach it there (its URL travels in GeneratorStatus). `gpus`: its node-local GPU ids (node.assign_gpus).
-    `startup_cores`: where its server starts before it moves to this rank's cores (ServerSpec)."""
-    spec = server_spec(cfg, index, model_dir, run_dir, port, host, gpus, startup_cores)
+    `shared_cores` (run.cpu_placement split): this rank is placed on its share of the cores, where its
+    server's schedulers compute; the server starts on `shared_cores`, and this rank (HTTP streams,
+    mostly waiting) moves back there once the server runs (ServerSpec)."""
+    share = tuple(sorted(os.sched_getaffinity(0))) if shared_cores else ()
+    spec = server_spec(cfg, index, model_dir, run_dir, port, host, gpus, shared_cores, share)
     rank = mailbox.rank
     try:
         gen = Generator(SGLangServer(spec), cfg.rollout, cfg.generator, generator_id=index,
@@ -57,6 +64,8 @@ def generator_loop(mailbox: Mailbox, cfg: Config, index: int, model_dir: str, ru
                         adapter_push=cfg.trainer.lora.push == "adapter")
         _check_gpus(gpus, rank)
         gen.start()
+        if shared_cores:
+            move_processes([os.getpid()], shared_cores)
     except Exception as e:
         mailbox.fail(WorkerFailure.of("generator", rank, "SGLang server failed to start", e))
         mailbox.wait_for_stop()

@@ -120,7 +120,7 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
 
         index = layout.generator_ranks.index(rank)
         generator_loop(mailbox, cfg, index, setup["model_dir"], run_dir, setup["generator_ports"][index],
-                       nodes[rank].addr, gpus, startup_cores=start_cores)
+                       nodes[rank].addr, gpus, shared_cores=start_cores)
     else:
         from megatron_rl.control.grading import verifier_loop
 
@@ -131,7 +131,8 @@ def run_rank(config: str | None, overrides: list[str], resume: bool = False) -> 
 def _place_on_cores(cfg: Config, role: str, cores: tuple[int, ...]) -> tuple[int, ...]:
     """`run.cpu_placement: split` without a GPU: this rank (a trainer, or a generator and its server) on
     its share of its host's cores (control/node.py). Returns the cores it had before, on which a
-    generator's server starts (nothing to train then: rollout/server.py's startup_cores); () otherwise."""
+    generator's server starts and its waiting processes stay (rollout/server.py's shared_cores); ()
+    otherwise."""
     import os
 
     from megatron_rl.platform import has_cuda, run_on_cores

@@ -90,11 +90,7 @@ def run_on_cores(cores: tuple[int, ...], sglang_tp: int | None = None) -> tuple[
     outside this process's affinity (a launcher's binding or per-task cpuset) are left out: with none
     left it stays where it is. Returns the cores it runs on."""
     cores = tuple(c for c in cores if c in os.sched_getaffinity(0)) or tuple(sorted(os.sched_getaffinity(0)))
-    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) would move the calling thread only
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # a thread that ended meanwhile
-            pass
+    move_processes([os.getpid()], cores)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(sglang_tp or 1))
     torch.set_num_threads(len(cores))
     if sglang_tp is not None:
@@ -119,13 +115,27 @@ def process_table() -> list[tuple[int, int, int]]:
     return table
 
 
-def move_process_group(pgid: int, cores: tuple[int, ...] | set[int]) -> int:
-    """Every thread of every process in process group `pgid` onto `cores`; returns the threads moved.
-    (A server started on more cores than it computes on: see rollout/server.py's startup_cores.)"""
-    moved = 0
+def process_group(pgid: int, title: str = "") -> list[int]:
+    """Pids of process group `pgid` whose command line starts with `title` (every member with "")."""
+    members = []
     for pid, _, group in process_table():
         if group != pgid:
             continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        if cmdline.startswith(title):
+            members.append(pid)
+    return members
+
+
+def move_processes(pids: list[int], cores: tuple[int, ...] | set[int]) -> int:
+    """Every thread of each of `pids` onto `cores` (sched_setaffinity of a pid moves its main thread
+    only); returns the threads moved."""
+    moved = 0
+    for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.platform import has_cuda, move_process_group, sglang_cpu_env
+from megatron_rl.platform import has_cuda, move_processes, process_group, sglang_cpu_env
 from megatron_rl.rollout.client import SGLangClient
 
 HOST = "127.0.0.1"  # the single-host default
@@ -37,6 +37,9 @@ class ServerStartError(RuntimeError):
     def __init__(self, msg: str, exited: bool = False):
         super().__init__(msg)
         self.exited = exited  # the process ended during start-up (not a timeout)
+
+
+SCHEDULER_TITLE = "sglang::scheduler"  # the process title of SGLang's scheduler processes
 
 
 @dataclass
@@ -62,11 +65,13 @@ class ServerSpec:
     dtype: str | None = None
     tp_size: int = 1  # tensor-parallel degree of the server (--tp-size); the weight push group is 1 + tp_size
     gpu_ids: tuple[int, ...] = ()  # its node-local GPUs, consecutive, one per TP rank (--base-gpu-id); () = SGLang's
-    # CPU cores the server may use while it starts (its three processes import torch and SGLang, then
-    # load the weights: ~1 min of one core for a small model); once healthy, every thread of it moves
-    # to its launcher's own cores. (): the launcher's cores throughout. `run.cpu_placement: split` gives
-    # a generator its host's cores here: at start-up the trainers have nothing to train yet.
-    startup_cores: tuple[int, ...] = ()
+    # CPU cores: the server starts on `shared_cores` (its three processes import torch and SGLang, then
+    # load the weights: ~1 min of one core for a small model), and once healthy its schedulers, which
+    # compute, move to `cpu_cores`, while its HTTP front end and detokenizer, which mostly wait, stay.
+    # (): the launcher's cores. `run.cpu_placement: split` gives a generator its host's cores as shared
+    # ones (at start-up the trainers have nothing to train yet) and its share as cpu_cores.
+    shared_cores: tuple[int, ...] = ()
+    cpu_cores: tuple[int, ...] = ()
 
     def __post_init__(self):
         ids = tuple(self.gpu_ids)
@@ -194,16 +199,15 @@ class SGLangServer:
         log.write(f"\n==== launch {' '.join(self.spec.command())}\n".encode())
         log.flush()
         # own session: the whole tree (scheduler, detokenizer) is one process group to kill
-        wide = self.spec.startup_cores
         self.proc = subprocess.Popen(self.spec.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=functools.partial(_prepare_child, wide))
+                                     preexec_fn=functools.partial(_prepare_child, self.spec.shared_cores))
         log.close()
         self.incarnation += 1
         try:
             self.wait_healthy(*startup_timeout(self.spec.startup_timeout_s, self.spec.model_path))
-            if wide:
-                move_process_group(self.proc.pid, os.sched_getaffinity(0))
+            if self.spec.cpu_cores:  # SGLang titles them sglang::scheduler (sglang::scheduler_TP<i> under TP)
+                move_processes(process_group(self.proc.pid, SCHEDULER_TITLE), self.spec.cpu_cores)
         except BaseException:
             self.stop()
             raise

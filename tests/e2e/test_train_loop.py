@@ -90,15 +90,16 @@ def _pids(match) -> list[psutil.Process]:
 
 
 def _placement(run_dir: Path, port: int) -> tuple[set[int], set[int], str]:
-    """The cores of the trainer rank and of the SGLang server (its scheduler among them), and the
-    server's OMP_NUM_THREADS."""
+    """The cores of the trainer rank and of the SGLang server's scheduler (every thread of it), and the
+    server's OMP_NUM_THREADS; its HTTP front end stays on every core (ServerSpec.shared_cores)."""
     trainer = [int(f.read_text().split()[0]) for f in (run_dir / "ranks").glob("*.pid")
                if f.read_text().split()[1] == "trainer"]
     server = _pids(lambda p: "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and
                    f"--port {port}" in " ".join(p.info["cmdline"] or []))
     assert len(trainer) == 1 and server, (trainer, server)
     scheduler = [c for c in server[0].children() if "scheduler" in c.name() or "scheduler" in " ".join(c.cmdline())]
-    server_cores = {frozenset(p.cpu_affinity()) for p in [server[0], *scheduler]}
+    assert scheduler and set(server[0].cpu_affinity()) == os.sched_getaffinity(0)
+    server_cores = {frozenset(os.sched_getaffinity(t.id)) for p in scheduler for t in p.threads()}
     assert len(server_cores) == 1, server_cores
     return (set(psutil.Process(trainer[0]).cpu_affinity()), set(next(iter(server_cores))),
             server[0].environ().get("OMP_NUM_THREADS"))

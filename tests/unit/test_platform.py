@@ -374,15 +374,15 @@ time.sleep(60)
 """
 
 
-def test_move_process_group_moves_every_thread_of_every_member(tmp_path):
-    """A server starts on more cores than it computes on (ServerSpec.startup_cores): once healthy its
-    whole process group, every thread of both processes, moves to the launcher's cores."""
+def test_processes_of_a_group_by_title_move_with_every_thread(tmp_path):
+    """A server's schedulers move to its share once healthy (ServerSpec.cpu_cores): found in its
+    process group by their title, every thread of them moves; the rest of the group stays."""
     import os
     import subprocess
     import sys
     import time
 
-    from megatron_rl.platform import move_process_group
+    from megatron_rl.platform import move_processes, process_group
 
     cores = sorted(os.sched_getaffinity(0))
     script = tmp_path / "group.py"
@@ -397,11 +397,14 @@ def test_move_process_group_moves_every_thread_of_every_member(tmp_path):
             if len(members) == 2 and all(len(os.listdir(f"/proc/{m}/task")) >= 4 for m in members):
                 break
             time.sleep(0.1)
-        assert len(members) == 2
-        tids = [(m, int(t)) for m in members for t in os.listdir(f"/proc/{m}/task")]
-        assert move_process_group(proc.pid, {cores[-1]}) == len(tids)
-        assert all(os.sched_getaffinity(t) == {cores[-1]} for _, t in tids)
-        assert os.sched_getaffinity(0) == set(cores)  # the caller is not in the group: it stays
+        assert sorted(process_group(proc.pid)) == sorted(members) and len(members) == 2
+        (kid,) = process_group(proc.pid, f"{sys.executable} {script} x")
+        assert kid != proc.pid
+        tids = [int(t) for t in os.listdir(f"/proc/{kid}/task")]
+        assert move_processes([kid], {cores[-1]}) == len(tids)
+        assert all(os.sched_getaffinity(t) == {cores[-1]} for t in tids)
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert all(os.sched_getaffinity(t) == set(cores) for t in others)  # the rest of the group stays
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()

@@ -162,6 +162,8 @@ def test_reward_rises_through_crashes_and_a_sigterm_resume_loses_and_repeats_not
     first, last = _weighted_mean(rewards[:5]), _weighted_mean(rewards[-5:])
     assert last > first, f"mean reward did not rise: first updates {first:.3f}, last {last:.3f}"
     assert any(r.get("versions_per_sequence/mean", 1) > 1 for r in rows), "no sequence spanned an update"
+    # trainer.share_prompts: a group's samples in one bin hold their prompt once (docs/train.md)
+    assert all(0 < r["train/shared_prompt_fraction"] < 1 and 0 <= r["train/padding_fraction"] < 1 for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["updates"] == updates and not summary["stopped_early"]
     assert controller_state(run_dir)["updates_done"] == updates > stopped_at

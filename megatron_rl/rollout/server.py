@@ -207,7 +207,12 @@ class SGLangServer:
         try:
             self.wait_healthy(*startup_timeout(self.spec.startup_timeout_s, self.spec.model_path))
             if self.spec.cpu_cores:  # SGLang titles them sglang::scheduler (sglang::scheduler_TP<i> under TP)
-                move_processes(process_group(self.proc.pid, SCHEDULER_TITLE), self.spec.cpu_cores)
+                schedulers = process_group(self.proc.pid, SCHEDULER_TITLE)
+                if not schedulers:
+                    print(f"SGLang server on port {self.spec.port}: no process titled {SCHEDULER_TITLE}; it keeps "
+                          f"computing on cores {self.spec.shared_cores or 'of its launcher'}", file=sys.stderr,
+                          flush=True)
+                move_processes(schedulers, self.spec.cpu_cores)
         except BaseException:
             self.stop()
             raise

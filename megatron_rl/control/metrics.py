@@ -141,7 +141,8 @@ def stage_metrics(stage: LengthStage) -> dict[str, int]:
 # trainer values a line carries under their own names: the mismatch (algo.mismatch), the teacher (algo.distill)
 OWN_NAME_PREFIXES = (MISMATCH_PREFIX, DISTILL_PREFIX)
 TRAIN_KEYS = ("loss", "loss_tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "entropy",
-              "grad_norm", "tokens_per_s", "padding_fraction", "shared_prompt_fraction", "is_weight_mean", "is_masked_frac", "routing_agreement")
+              "grad_norm", "tokens_per_s", "padding_fraction", "shared_prompt_fraction", "is_weight_mean",
+              "is_masked_frac", "routing_agreement")
 
 
 def train_values(train_metrics: dict[str, Any]) -> dict[str, Any]:

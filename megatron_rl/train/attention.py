@@ -193,11 +193,11 @@ def _row_bounds(rows: list[list[tuple[int, int]]], b: int, s: int, device) -> to
     return torch.tensor(bounds, dtype=torch.int32).to(device)
 
 
-def _window_mask(length: int, left: int, device) -> torch.Tensor:
-    """SDPA boolean mask (True = attend) of causal attention limited to `left` keys back."""
-    i = torch.arange(length, device=device)
-    d = i[:, None] - i[None, :]
-    return (d >= 0) & (d <= left)
+def _window_mask(length: int, left: int | None, device, prefix: int = 0) -> torch.Tensor:
+    """SDPA boolean mask (True = attend) [length, prefix + length]: query i, at position prefix + i, sees
+    the keys at positions up to its own, at most `left` back (None: all)."""
+    d = (torch.arange(length, device=device)[:, None] + prefix) - torch.arange(prefix + length, device=device)[None, :]
+    return (d >= 0) if left is None else (d >= 0) & (d <= left)
 
 
 class SegmentCausalAttention(MegatronModule):
@@ -286,10 +286,7 @@ class SegmentCausalAttention(MegatronModule):
     def _attend_after_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
         """q [n, np, L, hn], k/v [n, ng, prefix + L, hn] (the prefix's keys first) -> [n, np, L, hn]:
         query i sits at position prefix + i and sees keys 0 .. prefix + i (within the window)."""
-        length = q.shape[2]
-        i = torch.arange(length, device=q.device)[:, None] + prefix
-        d = i - torch.arange(prefix + length, device=q.device)[None, :]
-        allowed = (d >= 0) if self.window_left is None else (d >= 0) & (d <= self.window_left)
+        allowed = _window_mask(q.shape[2], self.window_left, q.device, prefix)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale,
                                               enable_gqa=self.heads_per_rank != self.groups_per_rank)
 

@@ -214,14 +214,13 @@ class PackedMicroBatch:
         # whole-row boundaries (each segment a multiple of 2*CP under CP), as TE's THD CP attention wants
         cu = self.cu_seqlens.to(torch.int32)
         if self.segment_parents is not None:
+            from megatron_rl.train.attention import SharedPrefixSeqParams
             from megatron_rl.train.packed_rope import with_positions
 
             # RoPE reads the branches' positions (continuing their prefix's), which reach past the
             # longest segment: Megatron sizes its frequency table by max_seqlen
             positions = self.position_ids[0]
             longest = int(positions.max().item()) + 1
-            from megatron_rl.train.attention import SharedPrefixSeqParams
-
             return SharedPrefixSeqParams(qkv_format="thd", cu_seqlens_q=with_positions(cu, positions),
                                          cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
                                          segment_parents=self.segment_parents)
@@ -320,11 +319,13 @@ def _shared_prompt_units(seqs: Sequence[TrainSequence], lengths: Sequence[int], 
             continue
         q = seqs[u[0]].prompt_len - 1
         chunk: list[int] = []
-        for i in u:  # greedy in order: a chunk stays under the capacity with its own copy of the prefix
-            if chunk and q + sum(lengths[j] - q for j in chunk + [i]) > capacity:
+        size = q  # the chunk's tokens with its own copy of the prefix
+        for i in u:  # greedy in order: a chunk stays under the capacity
+            if chunk and size + lengths[i] - q > capacity:
                 out.append(_Unit(tuple(chunk), q if len(chunk) > 1 else 0))
-                chunk = []
+                chunk, size = [], q
             chunk.append(i)
+            size += lengths[i] - q
         out.append(_Unit(tuple(chunk), q if len(chunk) > 1 else 0))
     return out
 

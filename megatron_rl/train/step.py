@@ -120,11 +120,10 @@ def _forward(model_chunk, mb: PackedMicroBatch, use_thd: bool, positions: torch.
     with moe.router_padding(model_chunk, mb, kw) as kw, _output_layer_at(model_chunk, positions):
         routing_replay.set_targets(model_chunk, mb)  # MoE: the generator's experts (algo.routing_replay)
         # THD boundaries instead of a [T, T] mask: Transformer Engine, or the local spec's segment attention
-        segment_attention = attention.uses_segment_attention(model_chunk)
-        if mb.segment_parents is not None and not segment_attention:
+        if mb.segment_parents is not None and not attention.uses_segment_attention(model_chunk):
             raise ValueError("a packed row with shared prompts reached a model without train.attention's "
                              "SegmentCausalAttention (set trainer.share_prompts: false)")
-        if use_thd or segment_attention:
+        if use_thd or attention.uses_segment_attention(model_chunk):
             return model_chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **kw)
         return model_chunk(mb.tokens, mb.position_ids, mb.attention_mask(), **kw)
 

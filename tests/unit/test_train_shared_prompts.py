@@ -165,7 +165,8 @@ def test_step_with_shared_prompts_equals_hf_and_unshared(tiny_llama_dir):
         ctx = dataclasses.replace(trainer.ctx, trainer=dataclasses.replace(trainer.ctx.trainer, share_prompts=share))
         trainer.optimizer.zero_grad()
         seen = []  # tokens the model computes, per forward
-        hook = trainer.model_chunks[0].embedding.register_forward_hook(lambda _, a, out: seen.append(out.shape[0] * out.shape[1]))
+        hook = trainer.model_chunks[0].embedding.register_forward_hook(
+            lambda _, a, out: seen.append(out.shape[0] * out.shape[1]))
         out = forward_backward(trainer.model, seqs, ctx)
         hook.remove()
         grads = {n: p.main_grad.clone() for n, p in trainer.model_chunks[0].named_parameters()}

@@ -35,6 +35,14 @@ if [[ $RELOCK == 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]]; then
 fi
 
 t0=$(date +%s)
+# A full disk otherwise shows up as pip's OSError halfway through; the environment takes ~3.5 GB.
+NEED_MB=4500
+parent="$(dirname "$VENV")"
+free_mb=$(df -Pm "$parent" | awk 'NR==2 {print $4}')
+if [[ ! -x "$VENV/bin/python" && -n "$free_mb" && "$free_mb" -lt "$NEED_MB" ]]; then
+  log "ERROR: $parent has ${free_mb} MB free; the environment needs about ${NEED_MB} MB (set MEGATRON_RL_VENV to a roomier path)"
+  exit 1
+fi
 PY="${PYTHON:-python3}"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 required"'
 [[ -x "$VENV/bin/python" ]] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }

@@ -298,9 +298,9 @@ class _Unit:
         return self.prefix + sum(lengths[i] - self.prefix for i in self.members)
 
 
-def _shared_prompt_units(seqs: Sequence[TrainSequence], lengths: Sequence[int], capacity: int) -> list[_Unit]:
-    """Sequences grouped by their tokens before the last prompt token (those equal in several sequences
-    are held once), each group cut so that it fits `capacity`; the others alone. In input order."""
+def _prompt_groups(seqs: Sequence[TrainSequence]) -> list[_Unit | list[int]]:
+    """In input order: lists of the sequences equal before their last prompt token (their shareable
+    prefix), and `_Unit`s of those that share nothing (no prefix, or routed experts)."""
     by_prefix: dict[bytes, list[int]] = {}
     units: list[_Unit | list[int]] = []
     for i, s in enumerate(seqs):
@@ -312,8 +312,40 @@ def _shared_prompt_units(seqs: Sequence[TrainSequence], lengths: Sequence[int], 
             by_prefix[key] = []
             units.append(by_prefix[key])  # placed where its first member is
         by_prefix[key].append(i)
+    return units
+
+
+def _computed_tokens(seqs: Sequence[TrainSequence], indices: Sequence[int]) -> int:
+    """Tokens the model computes for these sequences when each shared prefix is held once."""
+    sub = [seqs[i] for i in indices]
+    total = 0
+    for u in _prompt_groups(sub):
+        members = u.members if isinstance(u, _Unit) else u
+        prefix = sub[u[0]].prompt_len - 1 if isinstance(u, list) and len(u) > 1 else 0
+        total += prefix + sum(len(sub[i].token_ids) - prefix for i in members)
+    return total
+
+
+def deal_to_ranks(seqs: Sequence[TrainSequence], parts: int, share_prompts: bool) -> list[list[int]]:
+    """Deal a minibatch's sequences to `parts` data-parallel ranks. With shared prompts, whole prompt
+    groups are dealt (a group split over ranks computes its prompt once per rank) when that leaves the
+    busiest rank no more computed tokens than dealing single sequences; every share is non-empty."""
+    by_sequence = split_balanced([len(s.token_ids) for s in seqs], parts)
+    groups = [list(u.members) if isinstance(u, _Unit) else u for u in _prompt_groups(seqs)] if share_prompts else []
+    if len(groups) < parts or len(groups) == len(seqs):
+        return by_sequence
+    by_group = [sorted(i for g in share for i in groups[g])
+                for share in split_balanced([_computed_tokens(seqs, g) for g in groups], parts)]
+    def busiest(shares):
+        return max(_computed_tokens(seqs, s) for s in shares)
+    return by_group if busiest(by_group) <= busiest(by_sequence) else by_sequence
+
+
+def _shared_prompt_units(seqs: Sequence[TrainSequence], lengths: Sequence[int], capacity: int) -> list[_Unit]:
+    """Sequences grouped by their tokens before the last prompt token (those equal in several sequences
+    are held once), each group cut so that it fits `capacity`; the others alone. In input order."""
     out: list[_Unit] = []
-    for u in units:
+    for u in _prompt_groups(seqs):
         if isinstance(u, _Unit):
             out.append(u)
             continue

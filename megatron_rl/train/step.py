@@ -3,8 +3,9 @@
 For each minibatch (every trainer rank holds the same whole minibatch):
 1. advantages are standardised over the whole minibatch (`algo.advantages.normalize`; the
    statistics are therefore minibatch-wide across all DP ranks without communication);
-2. its sequences are dealt to the DP ranks balancing token counts, and each rank packs its share into
-   bins of `micro_batch_tokens` (one packed micro-batch per bin);
+2. its sequences are dealt to the DP ranks balancing token counts (whole prompt groups where prompts
+   are shared), and each rank packs its share into bins of `micro_batch_tokens` (one packed
+   micro-batch per bin);
 3. Megatron's forward/backward schedule (no pipelining, or 1F1B / interleaved under PP) runs the
    micro-batches; the loss function returns the clipped-surrogate token SUM and the token count, and
    `finalize_model_grads` divides the gradients by the total count over micro-batches and DP ranks,
@@ -59,7 +60,7 @@ from megatron_rl.ops import SequenceKL, fused_clipped_loss
 from megatron_rl.train import moe
 from megatron_rl.train.device import model_device
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
-from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, pack_sequences, split_balanced
+from megatron_rl.train.packing import PackedBatch, PackedMicroBatch, PackingStats, deal_to_ranks, pack_sequences
 from megatron_rl.train.parallel import cp_size_rank, dp_cp_group, dp_sum_ints
 
 Objective = Literal["rl", "sft"]
@@ -324,7 +325,7 @@ class ForwardBackwardResult:
 
 def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepContext,
                       objective: Objective = "rl") -> PreparedMinibatch:
-    """Normalise the minibatch's advantages, deal its sequences to the DP ranks (balancing tokens)
+    """Normalise the minibatch's advantages, deal its sequences to the DP ranks (`deal_to_ranks`)
     and pack this rank's share into micro-batches (the same on every call with the same input)."""
     from megatron.core import parallel_state as ps
 
@@ -332,12 +333,12 @@ def prepare_minibatch(model: list, seqs: Sequence[TrainSequence], ctx: StepConte
         raise ValueError("empty minibatch")
     seqs = list(seqs)
     advantages = minibatch_advantages(seqs, ctx.algo) if objective == "rl" else [0.0] * len(seqs)
-    share = split_balanced([len(s.token_ids) for s in seqs], ps.get_data_parallel_world_size())[
-        ps.get_data_parallel_rank()]
+    share_prompts = shares_prompts(model, ctx)
+    share = deal_to_ranks(seqs, ps.get_data_parallel_world_size(), share_prompts)[ps.get_data_parallel_rank()]
     device = model_device(model)
     pack_args = dict(advantages=[advantages[i] for i in share], pad_multiple=_pad_multiple(model[0].config),
                      pad_to_common=ctx.layout.pp > 1 or ctx.layout.ep > 1, cp=cp_size_rank(),
-                     share_prompts=shares_prompts(model, ctx))
+                     share_prompts=share_prompts)
     packed = pack_sequences([seqs[i] for i in share], ctx.trainer.micro_batch_tokens, **pack_args)
     if ctx.layout.ep > 1:  # MoE token dispatch is collective over EP: the same bins on every rank
         most = torch.tensor([packed.seq_length, len(packed.micro_batches)], device=device)

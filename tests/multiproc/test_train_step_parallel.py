@@ -23,6 +23,8 @@ import torch
 LAYOUTS = {"tp2": (2, 1, 1, None, "model4_dir", 24, 2), "pp2": (1, 2, 1, None, "model_dir", 24, 2),
            "dp2": (1, 1, 2, None, "model_dir", 24, 2), "pp2vpp2": (1, 2, 1, 2, "model4_dir", 18, 1)}
 ODD_VOCAB = 387
+# (prompt length, completion lengths) of the shared-prompt minibatch at DP=2: each group fits a 24-token bin
+SHARED_GROUPS = [(6, [3, 4, 2]), (5, [3, 4, 2]), (5, [4, 3, 3]), (6, [2, 2, 3])]
 GRADS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
 HF_NAMES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
             "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
@@ -101,6 +103,9 @@ def worker(root: Path) -> None:
         train_seqs = _load_seqs(root / f"train_seqs_{model}.json")
         trainer = Trainer(_config(spec[model], tp, pp, dp, vpp, mbt))
         trainer.optimizer.zero_grad()
+        # DP: prompt groups are dealt whole (trainer.share_prompts), the loss still the whole minibatch's
+        shared = (forward_backward(trainer.model, _load_seqs(root / "shared_seqs.json"), trainer.ctx).metrics
+                  if dp > 1 else None)
         out = forward_backward(trainer.model, seqs, trainer.ctx)
         grads = {g: _full_grad(trainer, g) for g in GRADS}
         ok, grad_norm, _ = trainer.optimizer.step()
@@ -111,7 +116,7 @@ def worker(root: Path) -> None:
         kl_trainer = Trainer(_config(spec[model], tp, pp, dp, vpp, mbt, algo=KL_ALGO))
         kl_trainer.train_on(Batch(train_seqs, n_mini=n_mini, policy_version=0))
         kl_after = kl_trainer.evaluate(seqs)
-        torch.save({"metrics": out.metrics, "grad_norm": float(grad_norm), "ok": ok, "grads": grads,
+        torch.save({"metrics": out.metrics, "shared": shared, "grad_norm": float(grad_norm), "ok": ok, "grads": grads,
                     "after": after, "kl_after": kl_after, "n_micro_batches": out.n_micro_batches},
                    root / f"{name}.rank{dist.get_rank()}.pt")
         destroy_parallel()
@@ -124,7 +129,8 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
     import pytest
 
     from support.torchrun import run_two_ranks
-    from unit.test_train_step import hf_model, make_minibatch, reference
+    from unit.test_train_shared_prompts import _groups
+    from unit.test_train_step import hf_completion_logprobs, hf_model, make_minibatch, reference
 
     models = {"model_dir": str(tiny_llama_dir), "model4_dir": _odd_vocab_model(tmp_path / "tiny4")}
     refs, seq_sets, train_seq_sets = {}, {}, {}
@@ -142,6 +148,13 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
         (tmp_path / f"seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in seqs]))
         (tmp_path / f"train_seqs_{key}.json").write_text(json.dumps([dataclasses.asdict(s) for s in train_seqs]))
     (tmp_path / "spec.json").write_text(json.dumps(models))
+    hf = hf_model(models["model_dir"])
+    shared_seqs = _groups(SHARED_GROUPS, hf.config.vocab_size)
+    with torch.no_grad():
+        for s in shared_seqs:
+            s.behaviour_logprobs = (hf_completion_logprobs(hf, s) + 0.3).tolist()
+    shared_ref = reference(hf, shared_seqs)[0]
+    (tmp_path / "shared_seqs.json").write_text(json.dumps([dataclasses.asdict(s) for s in shared_seqs]))
     run_two_ranks(__file__, tmp_path)
 
     from megatron_rl.records import Batch
@@ -159,6 +172,11 @@ def test_tp2_pp2_dp2_vpp_match_reference_and_reshard_to_tp1(tiny_llama_dir, tmp_
                         "entropy", "n_loss_tokens"):
                 assert r["metrics"][key] == pytest.approx(ref[key], rel=1e-4, abs=1e-5), (name, key)
             assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), name
+            if r["shared"] is not None:  # every group whole on one rank: each prompt held exactly once
+                held_once = sum((len(c) - 1) * (p - 1) for p, c in SHARED_GROUPS)
+                assert r["shared"]["shared_prompt_fraction"] * r["shared"]["tokens"] == pytest.approx(held_once)
+                for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "n_loss_tokens"):
+                    assert r["shared"][key] == pytest.approx(shared_ref[key], rel=1e-4, abs=1e-5), key
         # With the DistributedOptimizer at DP=2 each rank's grad buffer is reduced only on the shard it
         # owns (reduce-scatter), so elementwise grads are compared for TP/PP; for DP the global grad
         # norm and the metrics above cover the sharded reduction.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.records import RoutedExperts, TrainSequence
-from megatron_rl.train.packing import pack_sequences
+from megatron_rl.train.packing import deal_to_ranks, pack_sequences, split_balanced
 from support.tolerances import network_error, transformer_matmuls
 from unit.test_train_attention import GROUPS, HEAD_DIM, HEADS, _config, _modules, _run
 from unit.test_train_step import SAME_LAYOUT, hf_completion_logprobs, hf_model, make_config, reference
@@ -97,6 +97,34 @@ def test_sequences_with_routes_are_not_shared_and_cp_refuses():
         pack_sequences(seqs, capacity=10, share_prompts=True)
     with pytest.raises(ValueError, match="no block-diagonal mask"):
         batch.micro_batches[0].attention_mask()
+
+
+def _computed(seqs, share) -> int:
+    """Tokens computed for a rank's share: each distinct prompt (before its last token) once, by hand."""
+    prompts = {tuple(seqs[i].token_ids[:seqs[i].prompt_len - 1]) for i in share}
+    return sum(map(len, prompts)) + sum(len(seqs[i].token_ids) - seqs[i].prompt_len + 1 for i in share)
+
+
+def test_data_parallel_ranks_get_whole_groups_when_that_is_no_slower():
+    seqs = _groups([(30, [4, 6, 5]), (28, [3, 7, 2]), (25, [5, 5, 4]), (26, [6, 2, 3])])
+    shares = deal_to_ranks(seqs, 2, share_prompts=True)
+    assert sorted(i for s in shares for i in s) == list(range(len(seqs)))
+    by_group = {s.group_id: {r for r, share in enumerate(shares) if i in share} for i, s in enumerate(seqs)}
+    assert all(len(ranks) == 1 for ranks in by_group.values())  # no prompt computed on two ranks
+    # the busiest rank computes fewer tokens than with single sequences dealt (each rank then computes
+    # nearly every prompt), and no more than the best whole-group dealing found by enumeration
+    alone = split_balanced([len(s.token_ids) for s in seqs], 2)
+    assert shares != alone and max(_computed(seqs, s) for s in shares) < max(_computed(seqs, s) for s in alone)
+    names = sorted(by_group)
+    best = min(max(_computed(seqs, [i for i, s in enumerate(seqs) if (s.group_id in side) == r]) for r in (0, 1))
+               for mask in range(1, 2 ** len(names) - 1)
+               for side in [{n for k, n in enumerate(names) if mask >> k & 1}])
+    assert max(_computed(seqs, s) for s in shares) == best
+    # without sharing, fewer groups than ranks, or one group far longer than the rest: single sequences
+    assert deal_to_ranks(seqs, 2, share_prompts=False) == alone
+    assert deal_to_ranks(seqs, 5, share_prompts=True) == split_balanced([len(s.token_ids) for s in seqs], 5)
+    lopsided = _groups([(4, [60, 50, 55]), (4, [2, 3])])
+    assert deal_to_ranks(lopsided, 2, share_prompts=True) == split_balanced([len(s.token_ids) for s in lopsided], 2)
 
 
 @pytest.mark.parametrize("window", [None, 2])

@@ -131,7 +131,7 @@ def test_the_scan_counts_against_the_time_limit(monkeypatch):
     def slow_scan(text):
         time.sleep(30)
 
-    monkeypatch.setattr(rmath, "extract_answer", slow_scan)
+    monkeypatch.setattr(rmath, "final_answer", slow_scan)
     monkeypatch.setattr(rmath, "_pools", {})  # fresh workers, forked with the slow scan
     try:
         t = time.monotonic()
@@ -151,8 +151,11 @@ def test_backends_disagree_where_math_verify_misses_scientific_notation():
     mv = check("1e3", "1000", backend="math_verify")
     assert mv.status == "ok" and not mv.equal  # math-verify reads 1e3 as 1*E*3
     assert check("2", "2.0", backend="math_verify").equal
-    # extraction is ours with either backend: the LAST box, not math-verify's set of all boxes
-    assert check_response(r"\boxed{1} or \boxed{2}", "2", backend="math_verify").equal
+    # extraction is ours with either backend: the LAST box, not math-verify's set of all boxes ...
+    assert check_response(r"\boxed{1}. Wait, it is \boxed{2}", "2", backend="math_verify").equal
+    # ... and boxes offered together are one answer listing them, a hedge that matches no single value
+    for backend in ("sympy", "math_verify"):
+        assert not check_response(r"\boxed{1} or \boxed{2}", "2", backend=backend).equal
 
 
 def test_reward_config_backend_reaches_the_grader():

@@ -2,7 +2,8 @@
 
 Everything that grading does with a math answer runs in a forked worker (math.pool) under one
 hard wall-clock limit (``reward.math_timeout_s``): ``check_response`` scans the response for its
-last box there (math.extract, linear time), then normalises and compares; ``check`` /
+final answer there (math.extract.final_answer, linear time: the last box, with the boxes joined to
+it by connectives only, so ``\\boxed{1} or \\boxed{2}`` answers "1, 2"), then normalises and compares; ``check`` /
 ``math_equal`` normalise and compare an answer already extracted. A worker past the limit is
 killed and replaced, and the answer is False (status "timeout").
 
@@ -33,7 +34,12 @@ Equivalence policy of the sympy backend:
 - degrees: ``30^\\circ`` = ``30`` = ``\\pi/6`` (same rule); units and ``\\text{}`` units dropped;
 - equations: ``x=3`` = ``3``; sets and bare lists order-free; tuples ordered; intervals need the
   same brackets; ``a \\pm b`` = the list {a+b, a-b}; matrices entrywise;
-- ``\\text{}`` words case/space-insensitive; choices by letter (``(B)`` = ``B`` = ``\\text{(B)}``).
+- ``\\text{}`` words case/space-insensitive; choices by letter (``(B)`` = ``B`` = ``\\text{(B)}``);
+- hedges are wrong: boxes joined by connectives are one list (``\\boxed{1} or \\boxed{2}``), several
+  choices are no choice (``(B) or (C)``), an equation with disagreeing constant sides states nothing
+  (``3 = 4``, ``x = 4 = 3``), ``3 4`` is no sum, and ``|x|`` != ``x`` (points of both signs);
+- spellings: Unicode forms (``（Ｂ）``, ``½``, ``x²``), ``Infinity``, a lead-in (``The answer is 5``,
+  ``答案是5``), ``x<-1 or x>3`` as a union, and a decimal comma (``3,5`` = ``3.5`` against one value).
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ import threading
 from dataclasses import dataclass
 
 from megatron_rl.reward.math.compare import normalized_equal
-from megatron_rl.reward.math.extract import extract_answer
+from megatron_rl.reward.math.extract import extract_answer, final_answer
 from megatron_rl.reward.math.normalize import normalize
 from megatron_rl.reward.math.pool import WorkerPool
 
@@ -90,7 +96,8 @@ def _decide(prediction: str, reference: str, backend: str, timeout: float) -> tu
 
 def _worker(kind: str, text: str, reference: str, backend: str, timeout: float):
     """Runs in a math.pool worker: (prediction, equal, status)."""
-    prediction = extract_answer(text) if kind == "response" else text
+    # boxes offered together ("\\boxed{1} or \\boxed{2}") are one answer listing them, not the last
+    prediction = final_answer(text) if kind == "response" else text
     if prediction is None:
         return None, False, "no_answer"
     return (prediction, *_decide(prediction, reference, backend, timeout))

@@ -14,6 +14,7 @@ Policies (why, in short):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megatron_rl.reward.math.normalize import Normalized
@@ -144,8 +145,34 @@ def _equations_equal(a: Equation, b: Equation, fa: Flags, fb: Flags) -> bool:
     return False
 
 
+def _is_constant(v) -> bool:
+    """Whether a parsed side is a number (no variable in it): ``3``, ``2 \\cdot 3``, ``\\sqrt{2}``."""
+    if not isinstance(v, Scalar):
+        return False
+    if v.number is not None:
+        return True
+    from megatron_rl.reward.math.symbolic import Unparseable, to_sympy
+
+    try:
+        expr = to_sympy(v.source)
+    except Unparseable:
+        return False
+    return getattr(expr, "is_number", False) is True  # f(2) is not a number: a name, like x
+
+
+def _contradicts(eq: Equation, fa: Flags) -> bool:
+    """An equation whose constant sides differ from its value (``3 = 4``, ``x = 4 = 3``) states no
+    value: read as its last side, it would let a hedge pass (``x = 4 = 3`` for 3). Skipped under a
+    degree or percent sign, which belongs to one side only (``\\sin 30^\\circ = \\frac{1}{2}``)."""
+    if fa.degrees or fa.percent or not _is_constant(eq.rhs):
+        return False  # 1 = x^2 + y^2 is an equation in x and y, not a false statement
+    return any(_is_constant(side) and not values_equal(side, eq.rhs, fa, fa) for side in eq.sides)
+
+
 def values_equal(a, b, fa: Flags = Flags(), fb: Flags = Flags()) -> bool:
     """Whether parsed answers ``a`` (prediction) and ``b`` (reference) are equivalent."""
+    if isinstance(a, Equation) and _contradicts(a, fa):
+        return False
     la, lb = _letter(a), _letter(b)
     if isinstance(a, Choice) or isinstance(b, Choice):
         return la is not None and la == lb
@@ -210,9 +237,18 @@ def _relation_vs_set(a, b) -> bool:
         return False
 
 
+# "3,5": a decimal comma, or the list 3, 5 (a thousands group, "1,000", was joined by normalize)
+_DECIMAL_COMMA = re.compile(r"^[+-]?\d+,\d+$")
+
+
 def normalized_equal(pred: Normalized, ref: Normalized) -> bool:
     """Entry point used by the workers: structure both sides, then compare."""
     if pred.text == ref.text and pred.percent == ref.percent and pred.degrees == ref.degrees:
         return True
     fa, fb = Flags(pred.percent, pred.degrees), Flags(ref.percent, ref.degrees)
-    return values_equal(parse_text(pred.text), parse_text(ref.text), fa, fb)
+    a, b = parse_text(pred.text), parse_text(ref.text)
+    if isinstance(b, Scalar) and _DECIMAL_COMMA.match(pred.text):
+        # against one value the list reading cannot be right, so the comma is a decimal one
+        # (written so in most of Europe: 3,5 = 3.5); a list reference keeps the list reading
+        a = parse_text(pred.text.replace(",", "."))
+    return values_equal(a, b, fa, fb)

@@ -13,8 +13,14 @@ trailing ``.,;``; ``\\boxedfoo`` is another command). ``\\{`` and ``\\}`` are no
 brace counts as escaped after an odd run of backslashes). Boxes are taken outermost first, left to
 right: a box inside an earlier box's argument is part of that box, not a box of its own; a box
 whose argument never closes is skipped, and the boxes inside it still count.
+
+Grading reads ``final_answer``: the last box together with the boxes joined to it by connectives
+only (``\\boxed{1} or \\boxed{2}`` is the answer "1, 2", not "2"); ``extract_answer`` is the last
+box alone.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -269,3 +275,57 @@ def extract_answer(response: str) -> str | None:
         return None
     lo, hi = scan.unwrap(*boxes[-1])
     return response[lo:hi]
+
+
+# What may sit between two boxes that together are the final answer: spacing, math delimiters,
+# ``,;/|&`` and connectives ("\\boxed{1} or \\boxed{2}", "$\\boxed{1}$, $\\boxed{2}$", "\\boxed{1} \\quad
+# \\boxed{2}"). A gap with any other word or a sentence end ("... \\boxed{1}. Wait, it is \\boxed{2}")
+# keeps the last box alone: the model moved on. Each alternative starts with a distinct kind of
+# character, so the match is linear; gaps are also capped in length.
+_CONNECTIVES = ("or|and|maybe|perhaps|possibly|either|also|both|o|y|u|e|ou|et|oder|und|ili|"
+                "или|и|或|或者|和|及|と|または")
+_JOINER = re.compile(r"(?:\s|[$,;/|&~{}()]|\\[ ,;:!()\[\]]|\\\\|\\(?:quad|qquad|text|textbf|textrm|mathrm|mbox|"
+                     r"lor|vee)(?![a-zA-Z])|(?<!\w)(?:" + _CONNECTIVES + r")(?!\w))*")
+_MAX_GAP = 64
+
+
+def final_answer(response: str) -> str | None:
+    """The answer a response gives: ``final_answers`` with exact repeats dropped, joined by ", "
+    when several different ones remain (compared as a list); None if there is no box."""
+    answers = final_answers(response)
+    if answers is None:
+        return None
+    distinct = list(dict.fromkeys(a for a in answers if a))  # an empty box adds no value
+    return distinct[0] if len(distinct) == 1 else ", ".join(distinct)
+
+
+def final_answers(response: str) -> list[str] | None:
+    """The boxes that make up the final answer: the last box and the boxes before it that are
+    joined to it by connectives only (``\\boxed{1} or \\boxed{2}``), in order, each unwrapped and
+    stripped; None if there is no box.
+
+    Several boxes offered together are one answer listing several values, so a hedge
+    (``\\boxed{1} or \\boxed{2}``, every choice boxed in turn) is graded as that list, never as its last
+    item; an answer split over boxes (``\\boxed{x=1}, \\boxed{y=2}``) is graded whole."""
+    if not isinstance(response, str):
+        raise TypeError(f"response must be str, got {type(response).__name__}")
+    if "\\" not in response:
+        return None
+    scan = BoxScan(response)
+    boxes = scan.outermost()
+    if not boxes:
+        return None
+    k = len(boxes) - 1
+    while k > 0:
+        gap_lo = _box_end(scan, boxes[k - 1])
+        gap_hi = int(scan.start[boxes[k][0]])
+        if gap_hi - gap_lo > _MAX_GAP or not _JOINER.fullmatch(response, gap_lo, gap_hi):
+            break
+        k -= 1
+    return [response[lo:hi] for lo, hi in (scan.unwrap(*box) for box in boxes[k:])]
+
+
+def _box_end(scan: BoxScan, box: tuple[int, int, int]) -> int:
+    """Index just after box ``box`` (an entry of ``outermost``): its closing brace or its token."""
+    t, _, hi = box
+    return int(scan.close[t]) + 1 if scan.braced[t] else hi

@@ -8,7 +8,9 @@ trailing punctuation, thousands separators, and rewrites shorthands (``\\frac12`
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -29,7 +31,16 @@ _UNICODE = {
     "\u00f7": r"\div ", "\u03c0": r"\pi ", "\u221a": r"\sqrt", "\u221e": r"\infty ", "\u00b0": r"^\circ",
     "\u2264": r"\le ", "\u2265": r"\ge ", "\u222a": r"\cup ", "\u00b1": r"\pm ", "\u2213": r"\mp ",
     "\u2205": r"\emptyset ", "\u00a0": " ",
+    # other minus-like dashes, the fraction slash, CJK punctuation (fullwidth forms: _FULLWIDTH)
+    "\u2010": "-", "\u2011": "-", "\u2012": "-", "\ufe63": "-", "\u2044": "/", "\u3001": ",", "\u3002": ".",
+    "\u3000": " ",
 }
+# Fullwidth ASCII (U+FF01..U+FF5E, typed in CJK text: "（Ｂ）", "３．５", "－５") is plain ASCII
+_FULLWIDTH = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}
+_SUPERSCRIPT = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b",
+                             "0123456789+-")
+_SUPERSCRIPTS = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u207b]+")  # x² -> x^{2}, 2⁻¹ -> 2^{-1}
+_VULGAR = re.compile("[\u00bc-\u00be\u2150-\u215e]")  # ½ -> \frac{1}{2} (1½: a mixed number)
 _SPACING = re.compile(r"(?<!\\)\\(?:!|,|;|:| |quad(?![a-zA-Z])|qquad(?![a-zA-Z])|enspace(?![a-zA-Z])|thinspace(?![a-zA-Z])|medspace(?![a-zA-Z]))|~")
 _SIZING = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|Biggl|Biggr|big|Big|bigg|Bigg|middle)(?![a-zA-Z])\s*\.?")
 _STYLE = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits)(?![a-zA-Z])")
@@ -50,10 +61,13 @@ _UNIT_WORDS = (
 )
 _TRAILING_UNIT = re.compile(r"(?<=[\d}).\s])\s*(?:" + _UNIT_WORDS + r")(?:\s*\^\s*\{?[23]\}?)?\s*$")
 _SCI = re.compile(r"(?<![a-zA-Z\d.])(\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)(?![\d.])")
-_THOUSANDS_WHOLE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_THOUSANDS_BRACED = re.compile(r"(?<=\d)\{,\}(?=\d{3})")
-_THOUSANDS_SPACE = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
+# A group that starts with 0 is never a thousands group: "0,125" is a decimal comma (or a list)
+_THOUSANDS_WHOLE = re.compile(r"^-?(?!0)\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_THOUSANDS_BRACED = re.compile(r"(?<![\d.])(?!0)\d{1,3}(?:\{,\}\d{3})+(?!\d)")
+_DECIMAL_BRACED = re.compile(r"(?<=\d)\{,\}(?=\d)")  # 3{,}5: LaTeX's decimal comma, the other {,}
+_THOUSANDS_SPACE = re.compile(r"(?<![\d.])(?!0)\d{1,3}(?: \d{3})+(?![\d.])")
 _FRAC_SHORT = [
+    (re.compile(r"\\frac\s*(\\[a-zA-Z]+)"), r"\\frac{\1}"),  # \frac\pi2 (then \frac{\pi}2 below)
     (re.compile(r"\\frac\s*([0-9a-zA-Z])\s*([0-9a-zA-Z])"), r"\\frac{\1}{\2}"),
     (re.compile(r"\\frac\s*([0-9a-zA-Z])\s*\{"), r"\\frac{\1}{"),
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*([0-9a-zA-Z])"), r"\\frac\1{\2}"),
@@ -61,7 +75,17 @@ _FRAC_SHORT = [
 ]
 _NUMBER_THEN_WORDS = re.compile(r"^([-+]?\d[\d,]*(?:\.\d+)?)\s+[A-Za-z][A-Za-z' /-]*$")
 _REPEATING = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\overline\s*\{(\d{1,50})\}")
-_INFINITY = re.compile(r"\\infinity(?![a-zA-Z])|(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])")
+_INFINITY = re.compile(r"\\infinity(?![a-zA-Z])|(?<![a-zA-Z\\])(?:infinity|inf)(?![a-zA-Z])", re.I)  # Infinity, INF
+_SIGNED_EXPONENT = re.compile(r"\^\s*([+-])\s*(\d+|[a-zA-Z](?![a-zA-Z]))")  # 10^-2 means 10^{-2}
+# "The answer is 5", "Answer: 5", "La respuesta es 5", "答案是5": a lead-in of words ending in a
+# copula or a colon, before a value that starts like math (or is one choice letter). The words are
+# split by single spaces, so the split is unique and the match linear.
+_COPULAS = "is|are|was|equals|es|est|ist|sind|é|è|er|är|jest|son|sont|era"
+_LEAD_IN = re.compile(r"^[^\W\d_][^\W\d_'’]*(?: [^\W\d_][^\W\d_'’]*)*?(?: ?:| (?:" + _COPULAS + r")) ?"
+                      r"(?=[-+\d\\(\[{.]|[A-Z]\W*$)")
+_LEAD_IN_CJK = re.compile(r"^[\u3040-\u30ff\u4e00-\u9fff]{1,12}?(?:是|为|為|は|:) ?(?=[-+\d\\(\[{.]|[A-Z]\W*$)")
+_RELATION = re.compile(r"[<>]|\\(?:le|ge|leq|geq|lt|gt|leqslant|geqslant)(?![a-zA-Z])")
+_OR = re.compile(r"\s+or\s+|\\(?:lor|vee)(?![a-zA-Z])")
 _UNIT_TAIL = re.compile(r"^\s*(?:\^\s*\{?[23]\}?)?\s*\.?\s*$")
 _UNIT_MARK = re.compile(r"\x00\s*(?:\^\s*\{?[23]\}?)?")
 _WORDY_UNIT = re.compile(r"^[A-Za-z][A-Za-z ./]*(?:\^\{?[23]\}?)?$")
@@ -145,18 +169,31 @@ def _repeating_to_frac(m: re.Match) -> str:
     return "\\frac{%d}{%d}" % (num, den)
 
 
-def normalize(answer: str) -> Normalized:
-    """Normalise an answer string (already extracted from its box)."""
-    s = answer
+def _unicode_math(s: str) -> str:
+    """Unicode spellings of ASCII and LaTeX: fullwidth forms, superscripts, vulgar fractions."""
+    s = s.translate(_FULLWIDTH)
     for k, v in _UNICODE.items():
         if k in s:
             s = s.replace(k, v)
+    s = _SUPERSCRIPTS.sub(lambda m: "^{" + m.group(0).translate(_SUPERSCRIPT) + "}", s)
+    return _VULGAR.sub(_vulgar_to_frac, s)
+
+
+def _vulgar_to_frac(m: re.Match) -> str:
+    q = Fraction(unicodedata.numeric(m.group(0))).limit_denominator(10)
+    return "\\frac{%d}{%d}" % (q.numerator, q.denominator)
+
+
+def normalize(answer: str) -> Normalized:
+    """Normalise an answer string (already extracted from its box)."""
+    s = _unicode_math(answer)
     s = s.replace("\\$", " ").replace("$", " ")
     s = s.replace("\\(", " ").replace("\\)", " ").replace("\\[", " ").replace("\\]", " ")
     s = strip_group_braces(s.strip())
     s = _SIZING.sub("", s)
     s = _STYLE.sub("", s)
-    s = _THOUSANDS_BRACED.sub("", s)
+    s = _THOUSANDS_BRACED.sub(lambda m: m.group(0).replace("{,}", ""), s)
+    s = _DECIMAL_BRACED.sub(".", s)
     s = _SPACING.sub(" ", s)
     s = _FRAC_NAMES.sub(r"\\frac", s)
     s = _BINOM_NAMES.sub(r"\\binom", s)
@@ -182,17 +219,23 @@ def normalize(answer: str) -> Normalized:
         if word.startswith("percent"):
             percent = True
         s = s[: m.start()].rstrip(" .")
+    m = _LEAD_IN.match(s) or _LEAD_IN_CJK.match(s)
+    if m:
+        s = s[m.end():]
     m = _NUMBER_THEN_WORDS.match(s)  # "5 apples" (a count followed by what is counted)
     if m:
         s = m.group(1)
     s = _REPEATING.sub(_repeating_to_frac, s)
     if s.lower().startswith("and "):
         s = s[4:]
+    if _RELATION.search(s):  # x<-1 or x>3: the union of the two solution sets (parse: Union)
+        s = _OR.sub(r" \\cup ", s)
     s = re.sub(r"\s+(?:and|or)\s+", ", ", s) if re.search(r"\d|\\", s) else s
     s = _INFINITY.sub(r"\\infty", s)
     for pat, rep in _FRAC_SHORT:
         s = pat.sub(rep, s)
     s = _SCI.sub(r"\1\\times 10^{\2}", s)
+    s = _SIGNED_EXPONENT.sub(r"^{\1\2}", s)
     if _THOUSANDS_WHOLE.match(s):
         s = s.replace(",", "")
     s = _THOUSANDS_SPACE.sub(lambda m: m.group(0).replace(" ", ""), s)

@@ -60,6 +60,9 @@ class Matrix:
 class Equation:
     lhs: str
     rhs: object  # a value
+    # every side but the last, parsed (``x = 2 \cdot 3 = 6``: x, 2 \cdot 3): a side that is a constant
+    # states a value too, so it must equal the last (``3 = 4``, ``x = 4 = 3`` state nothing)
+    sides: tuple = ()
 
 
 MIN_ROUNDING_SIG = 4  # a decimal reference with fewer significant digits is taken as exact
@@ -84,7 +87,12 @@ _NUMBER = re.compile(r"^([+-]?)(\d+)(?:\.(\d*))?$|^([+-]?)\.(\d+)$")
 _SCIENTIFIC = re.compile(r"^([+-]?)(\d+)(?:\.(\d*))?\s*\\(?:times|cdot)\s*10\s*\^\s*(?:\{\s*([+-]?\d+)\s*\}|(\d))$")
 _MAX_DIGITS = 4000  # longer literals go to the (time-limited) general path
 _SIMPLE_FRAC = re.compile(r"^([+-]?)\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}$|^([+-]?\d+)\s*/\s*([+-]?\d+)$")
+# numbers side by side with only spaces between (thousands groups were joined by normalize)
+_SPACED_NUMBERS = re.compile(r"^[+-]?\d+(?:\.\d+)?(?: +\d+(?:\.\d+)?)+$")
 _CHOICE = re.compile(r"^\(\s*([A-Za-z])\s*\)(?:\s.*)?$|^([A-Z])[.):]?$|^\\?(?:text)?\{?\(?([A-Z])\)?\}?$")
+# In the text after "(B) ": another choice ("(B) (C)", "(B) or C", "(B), (D)", "(B) C") makes the
+# answer a list of choices, not B followed by its content ("(B) 5", "(B) x = 3", "(B) x^3 + C").
+_OTHER_CHOICE = re.compile(r"\(\s*[A-Za-z]\s*\)|^\s*(?:or|and|[,;/&|])|^\s*[A-Za-z]\W*$")
 _WORDS = re.compile(r"^[A-Za-z][A-Za-z' \-]*[A-Za-z]$")
 _MATH_WORDS = {
     "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "pi", "sqrt", "infty", "arcsin",
@@ -187,6 +195,15 @@ def _set_body(s: str) -> str | None:
     return None
 
 
+def _choice(s: str) -> Choice | None:
+    m = _CHOICE.match(s)
+    if m is None:
+        return None
+    if m.group(1) and _OTHER_CHOICE.search(s[s.index(")", m.start(1)) + 1 :]):
+        return None  # several choices: a list that grades as no single letter
+    return Choice((m.group(1) or m.group(2) or m.group(3)).upper())
+
+
 def _is_words(s: str) -> bool:
     if not _WORDS.match(s):
         return False
@@ -212,9 +229,11 @@ def parse_text(s: str) -> object:
     num = _number(s)
     if num is not None:
         return num
-    m = _CHOICE.match(s)
-    if m:
-        return Choice((m.group(1) or m.group(2) or m.group(3)).upper())
+    if _SPACED_NUMBERS.match(s):
+        return Text(s)  # "3 4": no value (the LaTeX parser would add them: 7); equal only as written
+    choice = _choice(s)
+    if choice is not None:
+        return choice
     if _is_words(s):
         return Text(" ".join(s.lower().split()))
     pm = _expand_pm(s)
@@ -231,12 +250,12 @@ def parse_text(s: str) -> object:
         if "=" in items[0] and not all(_top_eq(c) for c in items):
             lhs, _, rhs = items[0].partition("=")
             rest = ", ".join([rhs] + items[1:])
-            return Equation(_lhs_key(lhs), parse_text(rest))
+            return Equation(_lhs_key(lhs), parse_text(rest), (parse_text(lhs),))
         return Seq("list", tuple(parse_text(c) for c in items))
     eq = _top_eq(s)
     if eq is not None:
-        lhs, rhs = eq
-        return Equation(_lhs_key(lhs), parse_text(rhs))
+        *sides, rhs = eq
+        return Equation(_lhs_key(sides[0]), parse_text(rhs), tuple(parse_text(p) for p in sides))
     body = _set_body(s)
     if body is not None:
         items = [c.strip() for c in split_top(body, ",") if c.strip()]
@@ -262,12 +281,12 @@ def _angle(s: str) -> tuple[str, str, str] | None:
     return None
 
 
-def _top_eq(s: str) -> tuple[str, str] | None:
-    """(lhs, rhs) for a top-level ``=`` (``\\in`` too); chains a=b=c keep the last side."""
+def _top_eq(s: str) -> tuple[str, ...] | None:
+    """The sides of a top-level ``=`` (``\\in`` too), left to right (a chain a=b=c has three)."""
     for sep in ("=", "\\in "):
         parts = split_top(s, sep)
         if len(parts) > 1 and all(p.strip() for p in parts):
-            return parts[0].strip(), parts[-1].strip()
+            return tuple(p.strip() for p in parts)
     return None
 
 

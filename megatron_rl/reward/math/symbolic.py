@@ -35,6 +35,7 @@ _SEPARATED = sympy.Float("1e-20", _PREC)  # a relative gap this large at _PREC d
 _ZERO_DIGITS, _ZERO_BELOW = 120, sympy.Float("1e-100", 5)  # last resort for an unprovable difference
 _HUGE = sympy.Float("1e1000", 5)  # beyond this, do not expand values exactly (10^{10^{10}})
 _N_POINTS = 5
+_MAX_SIGNED_OPS = 400  # operations in both sides beyond which the signed points are not tried
 _I = sympy.Symbol("i")
 
 
@@ -166,10 +167,45 @@ def _random_points(symbols, seed: str, n: int):
         yield {s: sympy.Rational(rng.randint(1, 10**6), 10**6) * 2 + sympy.Rational(1, 7) for s in symbols}
 
 
+def _signed_points(symbols, seed: str, n: int):
+    """Points where each symbol's sign is random (the positive points miss |x| != x)."""
+    rng = random.Random(seed)
+    for point in _random_points(symbols, seed, n):
+        yield {s: v if rng.random() < 0.5 else -v for s, v in point.items()}
+
+
+def _real_at(expr: sympy.Basic, point: dict) -> bool:
+    """Whether every root, power and function inside ``expr`` is real at ``point``: the point lies
+    in the expression's real domain (sqrt(x) at x < 0 does not, |x| does)."""
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, sympy.Function) or (isinstance(node, sympy.Pow) and not node.exp.is_integer):
+            if node.xreplace(point).is_extended_real is not True:
+                return False
+    return True
+
+
+def _differ_off_positive(ex: sympy.Basic, ey: sympy.Basic, symbols) -> bool:
+    """Whether the two sides differ at a point with negative coordinates where both are real.
+
+    The exact points are all positive, where |x| = x, sqrt(x^2) = x and max(x, 0) = x; an answer
+    equal to the reference only there is another function. Points outside either side's real
+    domain are skipped, so identities that hold wherever both sides are real stay equal
+    (sqrt(x) sqrt(y) = sqrt(xy), log(x^2) = 2 log(x))."""
+    if sympy.count_ops(ex) + sympy.count_ops(ey) > _MAX_SIGNED_OPS:
+        return False  # too big to walk node by node inside the limit: the positive points decide
+    for point in _signed_points(symbols, f"{ex}|{ey}|signed", _N_POINTS):
+        if not (_real_at(ex, point) and _real_at(ey, point)):
+            continue
+        if compare_constants(ex.subs(point), ey.subs(point)) is False:
+            return True
+    return False
+
+
 def functions_equal(ex: sympy.Basic, ey: sympy.Basic) -> bool:
     """Equality of expressions with free symbols: exact values at random rational points (a
     non-zero rational function vanishes at 5 random points with negligible probability), then
-    simplify; points SymPy cannot decide exactly must agree to 1e-100 at 120 digits."""
+    simplify; points SymPy cannot decide exactly must agree to 1e-100 at 120 digits. Points of
+    both signs must agree too where both sides are real (|x| is not x)."""
     symbols = sorted(ex.free_symbols | ey.free_symbols, key=str)
     undecided = []
     for point in _random_points(symbols, f"{ex}|{ey}", _N_POINTS):
@@ -179,6 +215,8 @@ def functions_equal(ex: sympy.Basic, ey: sympy.Basic) -> bool:
             return False
         if verdict is None:
             undecided.append((vx, vy))
+    if _differ_off_positive(ex, ey, symbols):
+        return False
     if not undecided:
         return True
     proven = _proven_zero(ex - ey)

@@ -6,7 +6,9 @@ Everything here runs in time linear in the input (responses can be a megabyte of
   A regex such as ``\\[.*?\\]`` rescans to the end of the text for every unclosed opener, which is
   quadratic on "\\[" repeated 100k times; the scanner charges every failed closer search to a budget
   of a few times the text length and, once it is spent, treats remaining openers as plain text.
-- ``segments`` tokenises prose into units (a word; a piece of at most ``_CJK_PIECE`` CJK characters,
+- ``normalize`` (NFKC, minus invisible format characters and Arabic/Hebrew vowel points) runs first.
+- ``segments`` tokenises prose into units (a word, combining marks included; a word that changes
+  writing system is cut there; a piece of at most ``_CJK_PIECE`` CJK characters,
   since Chinese and Japanese have no spaces; a giant "word" is cut into ``_MAX_WORD``-letter pieces)
   and groups them into segments: one clause (cut at sentence punctuation and commas) in one writing
   system. Formulas are gone by then, so they never reach the classifier (they are language-neutral).
@@ -21,11 +23,15 @@ import unicodedata
 # Kana, CJK ideographs (incl. extension A and compatibility), half-width katakana.
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
 _KANA = re.compile(r"[\u3040-\u30ff\uff66-\uff9f]")
-_TOKEN = re.compile(
-    rf"(?P<cjk>[{_CJK}]+)"
-    rf"|(?P<word>[^\W\d_{_CJK}]+(?:['’\-][^\W\d_{_CJK}]+)*)"  # letters of any other script
-    r"|(?P<stop>[!?;…\n。！？；：؟,，、،]+|\.(?!\w))")  # clause ends; "2.5" and "e.g" are no end
+# Dropped before tokenising: invisible format characters (bidi marks, zero-width joiners and spaces,
+# soft hyphen, BOM), which sit inside words of Arabic, Persian, Hindi, ... and would cut them in two;
+# and the optional vowel points of Arabic (harakat, tatweel) and Hebrew (niqqud): lid.176 learnt these
+# languages unpointed (a pointed Arabic sentence gets "ar" 0.41, unpointed 0.99).
+_DROP = re.compile("[\u00ad\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff"
+                   "\u0610-\u061a\u064b-\u065f\u0640\u0670\u06d6-\u06dc\u06df-\u06e4\u06e7\u06e8\u06ea-\u06ed"
+                   "\u0591-\u05bd\u05bf\u05c1\u05c2\u05c4\u05c5\u05c7]+")
 _JOINED = re.compile(r"['’\-]")
+_HANGUL_WEIGHT = 2  # letters a Hangul syllable counts for (a short Korean answer is judged like a Latin one)
 _CJK_PIECE = 4  # CJK characters per unit: windows can cut a CJK run at this granularity
 _MAX_WORD = 40  # longer "words" (no spaces: Thai, hostile input) are cut into pieces of this size
 
@@ -103,6 +109,38 @@ def strip_markup(text: str) -> str:
     return _COMMAND.sub(" ", text)
 
 
+@functools.lru_cache(maxsize=1)
+def _token_re() -> re.Pattern:
+    """Tokens of the stripped text. A word is a letter followed by letters and combining marks:
+    Devanagari and other Indic vowel signs are marks (not \\w), and without them "गति" falls apart
+    into one-letter words too short to weigh. A colon ends a clause after CJK text (NFKC made the
+    full-width "：" an ASCII ":"); "2.5" and "e.g" end none. Built on first use: the mark class is
+    read from unicodedata (~40 ms)."""
+    marks, start, prev = [], None, None
+    for c in [*range(0x20000), *range(0xE0100, 0xE01F0)]:
+        if unicodedata.category(chr(c))[0] == "M":
+            if start is None or c != prev + 1:
+                if start is not None:
+                    marks.append((start, prev))
+                start = c
+            prev = c
+    marks.append((start, prev))
+    m = "".join(re.escape(chr(a)) + (f"-{re.escape(chr(b))}" if b > a else "") for a, b in marks)
+    letter = rf"[^\W\d_{_CJK}]"
+    return re.compile(
+        rf"(?P<cjk>[{_CJK}]+)"
+        rf"|(?P<word>{letter}+(?:[{m}]+{letter}*)*(?:['’\-]{letter}+(?:[{m}]+{letter}*)*)*)"  # other scripts
+        rf"|(?P<stop>[!?;…\n。！？；：؟؛,，、،।॥۔]+|\.(?!\w)|(?<=[{_CJK}]):)")  # clause ends
+
+
+def normalize(text: str) -> str:
+    """NFKC (full-width "Ｔｈｅ" is "The", a decomposed "é" one letter, Arabic presentation forms
+    plain letters), then without the characters of ``_DROP``."""
+    if not unicodedata.is_normalized("NFKC", text):
+        text = unicodedata.normalize("NFKC", text)
+    return _DROP.sub("", text)
+
+
 @functools.lru_cache(maxsize=4096)
 def script_of(ch: str) -> str:
     """Writing system of a letter: latin, cjk, cyrillic, arabic, greek, hangul, ..."""
@@ -114,9 +152,31 @@ def script_of(ch: str) -> str:
     return name.split(" ", 1)[0].lower() or "other"
 
 
+def _script_runs(word: str) -> list[tuple[str, str]]:
+    """(run, script) of a word written in several scripts; marks and joiners stay with their run."""
+    runs, start, cur = [], 0, ""
+    for k, ch in enumerate(word):
+        if not ch.isalpha():
+            continue
+        script = script_of(ch)
+        if cur and script != cur:
+            runs.append((word[start:k], cur))
+            start = k
+        cur = script
+    runs.append((word[start:], cur))
+    return runs
+
+
+def _pieces(word: str, script: str) -> list[Unit]:
+    """Units of a word of one script: the word, or pieces of ``_MAX_WORD`` letters of a giant one."""
+    per = _HANGUL_WEIGHT if script == "hangul" else 1
+    return [(word[k:k + _MAX_WORD], per * len(word[k:k + _MAX_WORD]), script)
+            for k in range(0, len(word), _MAX_WORD)]
+
+
 # A unit is a tuple (text, weight, script): tuples, not objects, because a megabyte of prose makes
-# 200k of them. weight: letters, a CJK character counting cjk_weight, a one-letter word 0; script is
-# "" for weight-0 units, which never split a segment.
+# 200k of them. weight: letters, a CJK character counting cjk_weight, a Hangul syllable (2-3 jamo)
+# _HANGUL_WEIGHT, a one-letter word 0; script is "" for weight-0 units, which never split a segment.
 Unit = tuple
 
 
@@ -125,10 +185,13 @@ def segments(text: str, cjk_weight: int) -> list[list[Unit]]:
     out: list[list[Unit]] = []
     cur: list[Unit] = []
     cur_script, cur_weight = "", 0
-    for m in _TOKEN.finditer(strip_markup(text)):
+    for m in _token_re().finditer(strip_markup(normalize(text))):
         kind, tok = m.lastgroup, m.group(0)
         if kind == "stop":
             units = ()
+        elif kind == "word" and not tok.isascii() and script_of(tok[0]) != script_of(tok[-1]):
+            # "h입니다", "x좌표" (a unit, a variable glued to Korean): one unit per writing system
+            units = [u for run, script in _script_runs(tok) if len(run) > 1 for u in _pieces(run, script)]
         elif kind == "cjk":
             units = [(tok[k:k + _CJK_PIECE], cjk_weight * len(tok[k:k + _CJK_PIECE]), "cjk")
                      for k in range(0, len(tok), _CJK_PIECE)]
@@ -136,14 +199,10 @@ def segments(text: str, cjk_weight: int) -> list[list[Unit]]:
             if tok.isascii():
                 continue  # x, n, s: variables of plain-text math; they steer lid.176 to es/ro/...
             units = ((tok, 0, ""),)  # à, и, в: kept for the classifier, too short to weigh
-        elif len(tok) <= _MAX_WORD:
-            if tok.isascii() and len(_JOINED.sub("", tok)) * 2 - 1 == len(tok):
-                continue  # s-a, x-y: variables joined by a hyphen, not a word
-            units = ((tok, len(tok), script_of(tok[0])),)
+        elif len(tok) <= _MAX_WORD and tok.isascii() and len(_JOINED.sub("", tok)) * 2 - 1 == len(tok):
+            continue  # s-a, x-y: variables joined by a hyphen, not a word
         else:
-            script = script_of(tok[0])
-            units = [(tok[k:k + _MAX_WORD], len(tok[k:k + _MAX_WORD]), script)
-                     for k in range(0, len(tok), _MAX_WORD)]
+            units = _pieces(tok, script_of(tok[0]))
         for u in units:
             if u[2] and cur_script and u[2] != cur_script:  # a change of writing system
                 out.append(cur)
@@ -228,6 +287,16 @@ def windows(text: str, size: int, min_weight: int, cjk_weight: int,
     return [(_join(units[a:b]), w, script) for units, a, b, w, script in spans]
 
 
+def main_script(text: str, cjk_weight: int) -> str | None:
+    """Writing system of most of the text's prose letters; None when it has no prose."""
+    letters: dict[str, int] = {}
+    for seg in segments(text, cjk_weight):
+        for _, weight, script in seg:
+            if weight:
+                letters[script] = letters.get(script, 0) + weight
+    return max(letters, key=letters.get) if letters else None
+
+
 def clean(text: str) -> str:
     """The words language ID sees: no code, math, digits, symbols or variables (clauses joined by
     '. ')."""
@@ -264,6 +333,12 @@ def function_word_balance(text: str, ours: str, theirs: str) -> int:
     a, b = FUNCTION_WORDS.get(ours, set()), FUNCTION_WORDS.get(theirs, set())
     words = text.lower().split()
     return sum(w in b and w not in a for w in words) - sum(w in a and w not in b for w in words)
+
+
+def function_words(text: str, lang: str) -> int:
+    """Function words of ``lang`` in ``text`` (0 when it has no list)."""
+    words = FUNCTION_WORDS.get(lang, set())
+    return sum(w in words for w in text.lower().split())
 
 
 def has_kana(text: str) -> bool:

@@ -10,6 +10,7 @@ import collections
 import json
 import os
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,7 @@ def test_per_window_catches_switches_a_whole_part_vote_misses(lang, problem, tho
 def test_labelled_set_agreement():
     wrong = [d["id"] for d in TRIPLES
              if L.is_consistent(d["problem"], d["thoughts"], d["answer"]) != (d["label"] == "consistent")]
-    # known miss: es -> pt in the answer (close relatives need lid.176 at >= 0.95)
+    # known miss: es -> pt in the answer (a close relative needs lid.176 at >= 0.9; it gives pt 0.64)
     assert len(wrong) <= 2 and len(wrong) / len(TRIPLES) <= 0.05, wrong
 
 
@@ -248,3 +249,225 @@ def test_a_clause_called_an_impossible_language_abstains():
     prof = L.profile("我们来一步一步地思考。方程 $2x + 5 = 13$ 两边同时减去 $5$，得到 $2x = 8$。")
     assert prof.language == "zh" and not prof.mixed
     assert all(w.lang in ("zh", L.UNDETERMINED) for w in prof.windows)
+
+
+# ------------------------------------------------------------------ multilingual probes
+# (problem, thoughts, answer), each written in the language of its key: the labels are what a reader
+# of the text knows, not outputs of this code.
+
+TRAIN = {
+    "en": ("A train travels 120 km in 2 hours. What is its average speed?",
+           "The average speed is the distance divided by the time. The distance is 120 km and the time is "
+           "2 hours, so the speed is $120/2 = 60$ km/h.",
+           "The average speed of the train is $\\boxed{60}$ km/h."),
+    "fr": ("Un train parcourt 120 km en 2 heures. Quelle est sa vitesse moyenne ?",
+           "La vitesse moyenne est la distance divisée par le temps. La distance est de 120 km et le temps "
+           "est de 2 heures, donc la vitesse vaut $120/2 = 60$ km/h.",
+           "La vitesse moyenne du train est de $\\boxed{60}$ km/h."),
+    "es": ("Un tren recorre 120 km en 2 horas. ¿Cuál es su velocidad media?",
+           "La velocidad media es la distancia dividida entre el tiempo. La distancia es de 120 km y el "
+           "tiempo es de 2 horas, así que la velocidad es $120/2 = 60$ km/h.",
+           "La velocidad media del tren es de $\\boxed{60}$ km/h."),
+    "de": ("Ein Zug fährt 120 km in 2 Stunden. Wie hoch ist seine Durchschnittsgeschwindigkeit?",
+           "Die Durchschnittsgeschwindigkeit ist die Strecke geteilt durch die Zeit. Die Strecke beträgt "
+           "120 km und die Zeit 2 Stunden, also ist die Geschwindigkeit $120/2 = 60$ km/h.",
+           "Die Durchschnittsgeschwindigkeit des Zuges beträgt $\\boxed{60}$ km/h."),
+    "it": ("Un treno percorre 120 km in 2 ore. Qual è la sua velocità media?",
+           "La velocità media è la distanza divisa per il tempo. La distanza è di 120 km e il tempo è di "
+           "2 ore, quindi la velocità è $120/2 = 60$ km/h.",
+           "La velocità media del treno è di $\\boxed{60}$ km/h."),
+    "pt": ("Um trem percorre 120 km em 2 horas. Qual é a sua velocidade média?",
+           "A velocidade média é a distância dividida pelo tempo. A distância é de 120 km e o tempo é de "
+           "2 horas, então a velocidade é $120/2 = 60$ km/h.",
+           "A velocidade média do trem é de $\\boxed{60}$ km/h."),
+    "ru": ("Поезд проезжает 120 км за 2 часа. Какова его средняя скорость?",
+           "Средняя скорость равна расстоянию, делённому на время. Расстояние равно 120 км, а время 2 часа, "
+           "поэтому скорость равна $120/2 = 60$ км/ч.",
+           "Средняя скорость поезда равна $\\boxed{60}$ км/ч."),
+    "zh": ("一列火车在2小时内行驶了120公里。它的平均速度是多少？",
+           "平均速度等于路程除以时间。路程是120公里，时间是2小时，所以速度是 $120/2 = 60$ 公里每小时。",
+           "火车的平均速度是 $\\boxed{60}$ 公里每小时。"),
+    "zh-Hant": ("一列火車在2小時內行駛了120公里。它的平均速度是多少？",
+                "平均速度等於路程除以時間。路程是120公里，時間是2小時，所以速度是 $120/2 = 60$ 公里每小時。",
+                "火車的平均速度是 $\\boxed{60}$ 公里每小時。"),
+    "ja": ("電車が2時間で120キロメートル走ります。平均の速さはいくらですか？",
+           "平均の速さは距離を時間で割ったものです。距離は120キロメートルで、時間は2時間なので、速さは "
+           "$120/2 = 60$ キロメートル毎時です。",
+           "電車の平均の速さは $\\boxed{60}$ キロメートル毎時です。"),
+    "ko": ("기차가 2시간 동안 120km를 달립니다. 평균 속력은 얼마입니까?",
+           "평균 속력은 거리를 시간으로 나눈 값입니다. 거리는 120km이고 시간은 2시간이므로 속력은 "
+           "$120/2 = 60$ km/h입니다.",
+           "기차의 평균 속력은 $\\boxed{60}$ km/h입니다."),
+    "ar": ("يقطع قطار مسافة 120 كيلومترا في ساعتين. ما هي سرعته المتوسطة؟",
+           "السرعة المتوسطة هي المسافة مقسومة على الزمن. المسافة هي 120 كيلومترا والزمن ساعتان، إذن "
+           "السرعة هي $120/2 = 60$ كيلومترا في الساعة.",
+           "السرعة المتوسطة للقطار هي $\\boxed{60}$ كيلومترا في الساعة."),
+    "hi": ("एक ट्रेन 2 घंटे में 120 किलोमीटर चलती है। उसकी औसत गति क्या है?",
+           "औसत गति दूरी को समय से भाग देने पर मिलती है। दूरी 120 किलोमीटर है और समय 2 घंटे है, इसलिए "
+           "गति $120/2 = 60$ किलोमीटर प्रति घंटा है।",
+           "ट्रेन की औसत गति $\\boxed{60}$ किलोमीटर प्रति घंटा है।"),
+    "tr": ("Bir tren 2 saatte 120 km yol alıyor. Ortalama hızı nedir?",
+           "Ortalama hız, yolun zamana bölümüdür. Yol 120 km ve süre 2 saat olduğuna göre hız "
+           "$120/2 = 60$ km/sa olur.",
+           "Trenin ortalama hızı $\\boxed{60}$ km/sa'tir."),
+    "vi": ("Một đoàn tàu đi được 120 km trong 2 giờ. Vận tốc trung bình của nó là bao nhiêu?",
+           "Vận tốc trung bình bằng quãng đường chia cho thời gian. Quãng đường là 120 km và thời gian là "
+           "2 giờ, nên vận tốc là $120/2 = 60$ km/h.",
+           "Vận tốc trung bình của đoàn tàu là $\\boxed{60}$ km/h."),
+    "pl": ("Pociąg przejeżdża 120 km w ciągu 2 godzin. Jaka jest jego średnia prędkość?",
+           "Średnia prędkość to droga podzielona przez czas. Droga wynosi 120 km, a czas 2 godziny, więc "
+           "prędkość wynosi $120/2 = 60$ km/h.",
+           "Średnia prędkość pociągu wynosi $\\boxed{60}$ km/h."),
+    "uk": ("Потяг проїжджає 120 км за 2 години. Яка його середня швидкість?",
+           "Середня швидкість дорівнює відстані, поділеній на час. Відстань становить 120 км, а час 2 "
+           "години, тому швидкість дорівнює $120/2 = 60$ км/год.",
+           "Середня швидкість потяга становить $\\boxed{60}$ км/год."),
+}
+
+
+@pytest.mark.parametrize("tag", list(TRAIN))
+def test_each_language_alone_is_consistent_and_english_thoughts_are_not(tag):
+    problem, thoughts, answer = TRAIN[tag]
+    lang = tag.split("-")[0]
+    ok, details = L.check_consistency(problem, thoughts, answer)
+    assert ok and details["reference"] == lang, details
+    assert L.detect(thoughts)[0] == lang
+    if lang != "en":
+        assert not L.is_consistent(problem, TRAIN["en"][1], answer)  # thinking in English
+        assert not L.is_consistent(problem, thoughts, TRAIN["en"][2])  # answering in English
+        assert not L.is_consistent(TRAIN["en"][0], thoughts, answer)  # an English user answered in it
+
+
+def test_unicode_forms_keep_words_whole():
+    # Devanagari vowel signs are combining marks: "गति" was cut into "ग", "त" (too short to weigh)
+    assert "औसत गति दूरी को समय से भाग" in L.clean(TRAIN["hi"][1])
+    # decomposed accents (NFD), full-width Latin, Arabic vowel points, bidi and zero-width marks
+    vi = "Vận tốc trung bình bằng quãng đường chia cho thời gian đã đi được."
+    assert L.detect(unicodedata.normalize("NFD", vi))[0] == "vi"
+    assert L.detect("Ｔｈｅ ａｖｅｒａｇｅ ｓｐｅｅｄ ｉｓ ｔｈｅ ｄｉｓｔａｎｃｅ ｄｉｖｉｄｅｄ ｂｙ ｔｈｅ ｔｉｍｅ．")[0] == "en"
+    assert L.clean("السُّرْعَةُ المُتَوَسِّطَةُ هِيَ المَسَافَةُ") == "السرعة المتوسطة هي المسافة"
+    assert L.clean("\u200fالسرعة\u200f هي المسافة") == "السرعة هي المسافة"
+    assert L.clean("La vi\u200btesse moy\u00adenne") == "La vitesse moyenne"
+    # a word glued across scripts ("km/h입니다") is cut there, not read as Latin
+    assert "입니다" in L.clean("60 km/h입니다").split(". ")
+
+
+def test_short_answer_in_korean_is_judged():
+    # 11 Hangul syllables carry ~25 letters of text; counted as 11 letters the answer was never judged
+    assert not L.is_consistent(TRAIN["en"][0], TRAIN["en"][1], TRAIN["ko"][2])
+
+
+WEAK_PROBLEMS = {  # a few words of prose around the formula: lid.176 cannot classify the problem
+    "ru": ("Решите $x^2=4$.", "Возводим обе части в квадрат и получаем два решения: два и минус два, проверяем "
+                             "подстановкой.", "Ответ: $\\boxed{\\pm 2}$."),
+    "ko": ("$x^2=4$을 풀어라.", "양변에 제곱근을 취하면 해는 이와 음의 이입니다. 대입하여 확인하면 모두 성립합니다.",
+           "해는 $\\boxed{\\pm 2}$입니다."),
+    "ar": ("حل المعادلة $x^2=4$.",
+           "نأخذ الجذر التربيعي للطرفين فنحصل على حلين هما اثنان وسالب اثنين، ونتحقق منهما بالتعويض.",
+           "الحلول هي $\\boxed{\\pm 2}$."),
+    "zh": ("解 $x^2=4$。", "两边开平方，得到的解是二和负二，代入原方程检验都成立。", "方程的解是 $\\boxed{\\pm 2}$。"),
+    "en": ("Solve $x^2=4$.", "We take square roots of both sides, so the solutions are two and minus two, which "
+                             "we check by substitution.", "The solutions are $\\boxed{\\pm 2}$."),
+}
+
+
+@pytest.mark.parametrize("lang", list(WEAK_PROBLEMS))
+def test_a_weak_problem_still_fixes_the_writing_system(lang):
+    problem, thoughts, answer = WEAK_PROBLEMS[lang]
+    assert L.is_consistent(problem, thoughts, answer)
+    other = "zh" if lang == "en" else "en"
+    assert not L.is_consistent(problem, WEAK_PROBLEMS[other][1], WEAK_PROBLEMS[other][2])
+
+
+def test_a_weak_latin_problem_defers_to_the_response():
+    # documented choice: one French word ("Résoudre") cannot be told from English by lid.176
+    assert L.is_consistent("Résoudre $x^2=4$.", WEAK_PROBLEMS["en"][1], WEAK_PROBLEMS["en"][2])
+    # but a French problem with a few words is French, and English thinking is penalised
+    problem = "Soit $f(x) = x^2 - 4$. Déterminer les racines réelles de $f$."
+    assert L.check_consistency(problem, "", "")[1]["reference"] == "fr"
+    assert not L.is_consistent(problem, WEAK_PROBLEMS["en"][1], WEAK_PROBLEMS["en"][2])
+
+
+# The same exchange in close relatives (a shop sells apples at 3 euros a kilo; 4 kilos paid with 20).
+RELATIVES = {
+    "es": ("Una tienda vende manzanas a 3 euros el kilo. Si Juan compra 4 kilos y paga con un billete de 20 "
+           "euros, ¿cuánto cambio recibe?",
+           "Primero calculamos el precio total de las manzanas: cuatro kilos por tres euros cada uno son doce "
+           "euros. Después restamos ese importe del billete de veinte euros. Por lo tanto, el cambio es de ocho "
+           "euros. Comprobamos: doce más ocho son veinte, así que el resultado es correcto."),
+    "gl": ("Unha tenda vende mazás a 3 euros o quilo. Se Xoán compra 4 quilos e paga cun billete de 20 euros, "
+           "canto cambio recibe?",
+           "Primeiro calculamos o prezo total das mazás: catro quilos por tres euros cada un son doce euros. "
+           "Despois restamos ese importe do billete de vinte euros. Polo tanto, o cambio é de oito euros. "
+           "Comprobamos: doce máis oito son vinte, así que o resultado é correcto."),
+    "pt": ("Uma loja vende maçãs a 3 euros o quilo. Se o João compra 4 quilos e paga com uma nota de 20 euros, "
+           "quanto troco recebe?",
+           "Primeiro calculamos o preço total das maçãs: quatro quilos vezes três euros cada um são doze euros. "
+           "Depois subtraímos esse valor da nota de vinte euros. Portanto, o troco é de oito euros. Verificamos: "
+           "doze mais oito são vinte, então o resultado está correto."),
+    "ru": ("Магазин продаёт яблоки по 3 евро за килограмм. Иван покупает 4 килограмма и платит купюрой в 20 "
+           "евро. Сколько сдачи он получит?",
+           "Сначала найдём общую стоимость яблок: четыре килограмма по три евро стоят двенадцать евро. Затем "
+           "вычтем эту сумму из двадцати евро. Значит, сдача составляет восемь евро. Проверим: двенадцать плюс "
+           "восемь равно двадцати, всё верно."),
+    "uk": ("Магазин продає яблука по 3 євро за кілограм. Іван купує 4 кілограми і платить купюрою у 20 євро. "
+           "Скільки решти він отримає?",
+           "Спочатку знайдемо загальну вартість яблук: чотири кілограми по три євро коштують дванадцять євро. "
+           "Потім віднімемо цю суму від двадцяти євро. Отже, решта становить вісім євро. Перевіримо: дванадцять "
+           "плюс вісім дорівнює двадцяти, усе правильно."),
+    "bg": ("Магазин продава ябълки по 3 евро за килограм. Иван купува 4 килограма и плаща с банкнота от 20 "
+           "евро. Колко ресто ще получи?",
+           "Първо намираме общата цена на ябълките: четири килограма по три евро струват дванадесет евро. След "
+           "това изваждаме тази сума от двадесет евро. Следователно рестото е осем евро. Проверка: дванадесет "
+           "плюс осем е равно на двадесет, значи всичко е вярно."),
+    "id": ("Sebuah toko menjual apel seharga 3 euro per kilogram. Jika Budi membeli 4 kilogram dan membayar "
+           "dengan uang 20 euro, berapa kembalian yang ia terima?",
+           "Pertama kita hitung harga total apel: empat kilogram dikali tiga euro sama dengan dua belas euro. "
+           "Kemudian kita kurangkan jumlah itu dari dua puluh euro. Jadi kembaliannya adalah delapan euro. Kita "
+           "periksa: dua belas ditambah delapan sama dengan dua puluh, jadi hasilnya benar."),
+    "ms": ("Sebuah kedai menjual epal pada harga 3 euro sekilogram. Jika Ali membeli 4 kilogram dan membayar "
+           "dengan wang kertas 20 euro, berapakah baki yang diterimanya?",
+           "Pertama, kita kira jumlah harga epal: empat kilogram darab tiga euro ialah dua belas euro. Kemudian "
+           "kita tolak jumlah itu daripada dua puluh euro. Oleh itu, bakinya ialah lapan euro. Kita semak: dua "
+           "belas tambah lapan ialah dua puluh, jadi jawapannya betul."),
+    "no": ("En butikk selger epler for 3 euro kiloen. Hvis Ola kjøper 4 kilo og betaler med en tjueeuroseddel, "
+           "hvor mye får han igjen?",
+           "Først regner vi ut totalprisen for eplene: fire kilo ganger tre euro blir tolv euro. Deretter trekker "
+           "vi dette beløpet fra tjue euro. Altså får han åtte euro tilbake. Vi sjekker: tolv pluss åtte er tjue, "
+           "så svaret stemmer."),
+    "da": ("En butik sælger æbler til 3 euro pr. kilo. Hvis Ole køber 4 kilo og betaler med en tyveeuroseddel, "
+           "hvor mange penge får han tilbage?",
+           "Først udregner vi den samlede pris for æblerne: fire kilo gange tre euro giver tolv euro. Derefter "
+           "trækker vi dette beløb fra tyve euro. Altså får han otte euro tilbage. Vi kontrollerer: tolv plus "
+           "otte er tyve, så svaret passer."),
+}
+
+
+@pytest.mark.parametrize("lang", list(RELATIVES))
+def test_a_monolingual_text_in_a_close_relative_is_consistent(lang):
+    # lid.176 calls one clause of the Galician text "pt" at 0.93 and the Malay problem "id": near misses
+    problem, thoughts = RELATIVES[lang]
+    assert L.is_consistent(problem, thoughts, "$\\boxed{8}$")
+
+
+@pytest.mark.parametrize("user,reply", [("es", "pt"), ("pt", "es"), ("es", "gl"), ("ru", "uk"), ("uk", "ru"),
+                                        ("ru", "bg"), ("bg", "ru"), ("id", "ms"), ("no", "da"), ("da", "no")])
+def test_thinking_in_a_close_relative_is_a_switch(user, reply):
+    # ru -> bg was missed: Bulgarian shares и, на, по with Russian, and the function-word veto took
+    # them as evidence for Russian
+    assert not L.is_consistent(RELATIVES[user][0], RELATIVES[reply][1], "$\\boxed{8}$")
+
+
+def test_english_terms_glossed_in_chinese_are_not_a_switch():
+    problem = "给定一个整数数组，求最长递增子序列的长度。"
+    answer = "最长递增子序列的长度是 $\\boxed{4}$。"
+    glossed = ["我们用动态规划（dynamic programming）求解，时间复杂度（time complexity）是 $O(n^2)$。状态转移方程很简单。",
+               "这是经典的最长递增子序列问题（longest increasing subsequence），可以用二分查找优化到 $O(n \\log n)$。",
+               "线性模型（linear regression）对每个输入有一个权重，另外还有一个偏置 bias。所以一共是十个权重加一个偏置。"]
+    for thoughts in glossed:
+        assert L.is_consistent(problem, thoughts, answer), thoughts
+    # English grammar mixed into the Chinese is the language mixing the reward is there to stop
+    mixed = ["所以我们 need to consider 每一个 element，然后 we compute the 长度 of the 子序列。",
+             "首先 let me think，这个问题 is about 递增子序列，we can use 动态规划 to solve it。"]
+    for thoughts in mixed:
+        assert not L.is_consistent(problem, thoughts, answer), thoughts

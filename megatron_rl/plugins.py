@@ -52,9 +52,16 @@ def load_file(path_text: str) -> Any:
         raise PluginNotFound(f"{path_text!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    # its folder leads sys.path while it runs, as under `python file.py`, so it may import modules next
+    # to it (helpers.py); only then, so the folder's other files shadow nothing for the rest of the process
+    folder = str(path.parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
     return module

@@ -20,10 +20,21 @@ from megatron_rl.rollout.episode import EpisodeLimits, EpisodeSetup
 def prompt_template(cfg: Config) -> PromptTemplate:
     """The data's template, with `tools=` for the chat template when the environment offers tools."""
     template = get_template(cfg.data)
-    tools = list(getattr(load_environment(cfg.env.name), "tools", []) or [])
+    tools = environment_tools(cfg)
     if not tools:
         return template
     return dataclasses.replace(template, chat_template_kwargs=template.chat_template_kwargs | {"tools": tools})
+
+
+def environment_tools(cfg: Config) -> list[dict[str, Any]]:
+    """The environment's tool schemas, read from one instance made with the run's arguments and closed:
+    a class may set `tools` in its constructor (from its arguments) or as a dataclass field, which its
+    class attribute would not show."""
+    env = make_environment(cfg.env.name, environment_args(cfg))
+    try:
+        return list(getattr(env, "tools", None) or [])
+    finally:
+        env.close()
 
 
 def environment_args(cfg: Config) -> dict[str, Any]:

@@ -46,11 +46,16 @@ def check_config(cfg: Config) -> None:
     from megatron_rl.control.episodes import environment_args
 
     try:  # one environment made and closed: its class loads and takes env.args
-        make_environment(cfg.env.name, environment_args(cfg)).close()
+        env = make_environment(cfg.env.name, environment_args(cfg))
     except EnvLoadError as e:
         raise ConfigError(str(e)) from None
     except Exception as e:  # the constructor's own check of its arguments
         raise ConfigError(f"env.args: {cfg.env.name} refused them: {type(e).__name__}: {e}") from None
+    try:
+        env.close()
+    except Exception as e:  # every episode would end the same way
+        raise ConfigError(f"env.name: {cfg.env.name}: close() of an environment never reset raised "
+                          f"{type(e).__name__}: {e}") from None
     try:
         get_template(cfg.data)
     except ValueError as e:

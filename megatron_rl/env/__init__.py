@@ -8,7 +8,7 @@ This package imports ``reward`` (the verifiers grade final answers; tools run in
 never imports it.
 """
 from megatron_rl.env.base import (Environment, EnvFailure, Message, StepResult, check_observation, outcome,
-                                  own_reward)
+                                  own_reward, verdict)
 from megatron_rl.env.loading import (
     BUILTINS, ENTRY_POINT_GROUP, EnvLoadError, environment_error, load_environment, make_environment,
 )
@@ -19,6 +19,7 @@ from megatron_rl.env.single_turn import SingleTurn
 from megatron_rl.env.slots import ToolSlots, shared_slots
 
 __all__ = ["Environment", "EnvFailure", "Message", "StepResult", "check_observation", "outcome", "own_reward",
+           "verdict",
            "BUILTINS", "ENTRY_POINT_GROUP", "EnvLoadError", "environment_error", "load_environment",
            "make_environment", "PYTHON_TOOL", "PythonTool", "RUN_TESTS", "PythonTests", "ToolCall", "parse_tool_calls", "Echo",
            "SingleTurn", "ToolSlots", "shared_slots"]

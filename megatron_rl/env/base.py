@@ -55,9 +55,13 @@ the concurrency that matters -- how many tool runs compete with generation for C
 """
 from __future__ import annotations
 
+import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypedDict
+
+import numpy as np
 
 from megatron_rl.reward import RewardBreakdown, score
 
@@ -74,9 +78,14 @@ class EnvFailure(RuntimeError):
 
 
 def check_observation(observation: Any, where: str = "observation") -> list[Message]:
-    """``observation`` as a list of messages, or TypeError saying what is wrong (an environment bug)."""
+    """``observation`` as a list of messages, or TypeError saying what is wrong (an environment bug).
+
+    The messages are copied (a JSON round trip): the caller records them for a resume (checkpointed as
+    JSON, compared with a replay's), so what it keeps must be what was rendered even if the environment
+    later changes its own dicts, must survive JSON, and must compare equal after it (a tuple would come
+    back a list)."""
     if not isinstance(observation, (list, tuple)):
-        raise TypeError(f"{where} must be a list of {{'role', 'content'}} messages, "
+        raise TypeError(f"{where} must be a list of {{'role', 'content'}} messages ([] for none), "
                         f"got {type(observation).__name__}")
     out: list[Message] = []
     for i, m in enumerate(observation):
@@ -84,8 +93,20 @@ def check_observation(observation: Any, where: str = "observation") -> list[Mess
                 or not isinstance(m.get("content"), str):
             raise TypeError(f"{where}[{i}] must be a dict with a non-empty str 'role' and a str "
                             f"'content', got {m!r:.120}")
-        out.append(m)  # extra keys (e.g. "name") are kept for templates that read them
+        try:  # the tokenizer takes only text that is UTF-8 (no lone surrogates)
+            m["role"].encode("utf-8"), m["content"].encode("utf-8")
+            copy = json.loads(json.dumps(m))  # extra keys (e.g. "name") are kept for templates that read them
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where}[{i}] must be JSON-serialisable text (it is checkpointed): "
+                            f"{type(e).__name__}: {e}") from None
+        out.append(copy)
     return out
+
+
+def verdict(info: dict[str, Any]) -> bool | None:
+    """``info["correct"]`` when it is a bool (numpy's too: ``(a == b).all()``), else None."""
+    correct = info.get("correct")
+    return bool(correct) if isinstance(correct, (bool, np.bool_)) else None
 
 
 @dataclass(frozen=True)
@@ -109,15 +130,17 @@ class StepResult:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "observation", check_observation(self.observation, "StepResult.observation"))
-        if not isinstance(self.done, bool):
+        if not isinstance(self.done, (bool, np.bool_)):  # numpy's: a comparison of arrays
             raise TypeError(f"StepResult.done must be a bool, got {self.done!r}")
+        object.__setattr__(self, "done", bool(self.done))
         if self.done and self.observation:
             raise ValueError("StepResult: an observation with done=True would never be shown to the "
                              "model; return it with done=False, or log it in info")
         if self.reward is not None:
             if not self.done:
                 raise ValueError(f"StepResult: reward={self.reward!r} before done (rewards are per episode)")
-            if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) \
+            # any real number (numpy's and torch's .item() too), never a bool; NaN or inf would reach the loss
+            if isinstance(self.reward, (bool, np.bool_)) or not isinstance(self.reward, numbers.Real) \
                     or not math.isfinite(self.reward):
                 raise TypeError(f"StepResult.reward must be a finite float or None, got {self.reward!r}")
             object.__setattr__(self, "reward", float(self.reward))
@@ -165,8 +188,7 @@ def outcome(task: dict[str, Any], last: StepResult, final_turn: str, config=None
                          "its environment)")
     if last.reward is None:
         return score(task, final_turn, config, num_tokens, **score_kwargs)
-    correct = last.info.get("correct")
-    return own_reward(last.reward, correct if isinstance(correct, bool) else None)
+    return own_reward(last.reward, verdict(last.info))
 
 
 def own_reward(reward: float, correct: bool | None = None) -> RewardBreakdown:

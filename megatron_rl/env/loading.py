@@ -6,8 +6,9 @@
 - ``"calculator"``: an entry point of the group ``megatron_rl.environments`` of an installed package
   (``[project.entry-points."megatron_rl.environments"] calculator = "my_pkg.envs:Calculator"``).
 
-What loads is a class with ``reset``, ``step`` and ``close`` (subclassing
-:class:`megatron_rl.env.base.Environment` is optional). Anything else is an :class:`EnvLoadError`
+What loads is a class with ``reset``, ``step`` and ``close``, plain ``def`` (subclassing
+:class:`megatron_rl.env.base.Environment` is optional); a file may import modules next to it
+(``plugins.load_file``). Anything else is an :class:`EnvLoadError`
 with a one-line message that starts with the config key the caller names (``key``, e.g.
 ``"env.name"``), so the user knows which setting to fix. Files are loaded with ``reward.custom``'s
 helper (one loader for every plug-in).
@@ -62,6 +63,10 @@ def _load(spec: str) -> type:
                    f"(see megatron_rl.env.base.Environment)")
     if issubclass(obj, Environment) and any(getattr(obj, m) is getattr(Environment, m) for m in ("reset", "step")):
         raise _Why(f"is not an environment: class {obj.__name__} does not implement reset and step")
+    asynchronous = [m for m in _METHODS if inspect.iscoroutinefunction(getattr(obj, m))]
+    if asynchronous:  # its calls would return coroutines nobody awaits (the contract is synchronous)
+        raise _Why(f"is not an environment: class {obj.__name__} has async {', '.join(asynchronous)}; environments "
+                   f"are synchronous (def, not async def: each episode runs in its own thread)")
     return obj
 
 
@@ -79,16 +84,32 @@ def load_environment(spec: str, key: str = "env.name") -> type:
 def make_environment(spec: str, kwargs: dict[str, Any] | None = None, key: str = "env.name",
                      args_key: str = "env.args") -> Any:
     """A new environment of ``spec`` made with ``kwargs`` (one per episode). Arguments the class does
-    not take are an EnvLoadError naming ``args_key``; what its constructor raises propagates."""
+    not take (or lacks) are an EnvLoadError naming ``args_key``, ``tools`` that are no list of schemas
+    one naming ``key``; what its constructor raises propagates."""
     cls = load_environment(spec, key)
     kwargs = dict(kwargs or {})
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
-        raise EnvLoadError(_one_line(f"{args_key}: {spec!r} does not take {sorted(kwargs)}: {e}")) from None
+        what = "needs more than" if str(e).startswith("missing") else "does not take"
+        raise EnvLoadError(_one_line(f"{args_key}: {spec!r} {what} {sorted(kwargs)}: {e}")) from None
     except ValueError:  # no signature to read: let the call decide
         pass
-    return cls(**kwargs)
+    env = cls(**kwargs)
+    why = _tools_error(getattr(env, "tools", None))
+    if why is not None:
+        env.close()
+        raise EnvLoadError(_one_line(f"{key}: {spec!r}: {why}"))
+    return env
+
+
+def _tools_error(tools: Any) -> str | None:
+    """Why an environment's ``tools`` cannot go to ``apply_chat_template(tools=...)``, or None. Read
+    from an instance: a constructor or a dataclass field may set them."""
+    if tools is None or (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        return None
+    return (f"tools must be a list of tool schemas (dicts in the OpenAI function format), "
+            f"got {tools!r:.100}")
 
 
 def environment_error(spec: str, key: str = "env.name") -> str | None:

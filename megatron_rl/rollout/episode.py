@@ -21,9 +21,11 @@ cache salt (`PrefixCachePolicy`), so it prefills under the new weights instead o
 Caps (the `env` config): `max_turns` model turns; `deadline_s` the episode's wall time (no turn starts
 after it); the length stage's cap bounds every token after the
 prompt (model and environment: the context the KV cache holds); `max_turn_tokens` one turn; an
-observation message longer than `max_observation_tokens` is cut with a note the model sees. An episode
-a cap ends is graded on its last turn. An environment that raises fails the episode (`report.error`):
-it is never trained, its group is dropped.
+observation message longer than `max_observation_tokens` is cut with a note the model sees (`reset`'s
+too). An episode a cap ends is graded on its last turn. An environment that raises, or returns what the
+contract does not allow (checked here again: a StepResult changed after it was made, a class of its own,
+messages the chat template cannot render), fails the episode (`report.error`): it is never trained, its
+group is dropped. It gets its own copy of the task (a group's episodes share theirs).
 
 Turn boundaries and resume: after each observation (the context ready for the next model turn),
 `on_boundary` gets the episode so far, which the generator reports as a `PartialEpisode`; the
@@ -37,7 +39,9 @@ caller starts the episode over: its context would no longer match its environmen
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -45,7 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from megatron_rl.data.turns import ChatTurns
-from megatron_rl.env import SingleTurn
+from megatron_rl.env import SingleTurn, StepResult, check_observation, verdict
 from megatron_rl.records import ENV_LOGPROB, ENV_VERSION, EpisodeReport, FinishReason, PartialEpisode
 from megatron_rl.rollout.outputs import Turn
 
@@ -123,8 +127,8 @@ class Episode:
         r.tool_s += seconds
         for key in ("tool_calls", "tool_errors", "tool_timeouts"):
             value = info.get(key, 0)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(r, key, getattr(r, key) + value)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy's ints too
+                setattr(r, key, getattr(r, key) + int(value))
 
     @property
     def loss_mask(self) -> list[int] | None:
@@ -157,11 +161,13 @@ def run_episode(env, task: dict[str, Any], prompt_ids: list[int], sample: Callab
     way out."""
     episode = Episode(list(prompt_ids))
     try:
-        first = _env(env.reset, task)
+        # a copy: the episodes of a group share their task dict, and an environment may change what it is given
+        first = _env("reset", env.reset, copy.deepcopy(task), check=_messages)
         if first:
             if turns is None:
                 raise RuntimeError("the environment shows messages but the tokenizer has no chat template")
-            episode.prompt_ids = turns.prompt_ids_with(prompt_ids, first)
+            shown = _cut(turns, first, limits.max_observation_tokens)  # they are an observation too
+            episode.prompt_ids = _env("reset's messages", turns.prompt_ids_with, prompt_ids, shown)
         if start is not None:
             _replay(env, episode, start, limits, turns)
         _play(env, episode, sample, cap, limits, turns, on_boundary or (lambda episode: None))
@@ -188,18 +194,43 @@ def _replay(env, episode: Episode, start: PartialEpisode, limits: EpisodeLimits,
     if episode.prompt_ids != start.prompt_ids:
         raise ReplayDiverged("reset shows different messages than when the episode began")
     for k, (text, seen) in enumerate(zip(start.turns, start.observations), 1):
-        result = _env(env.step, text)
+        result = _env("step", env.step, text, check=_step_result)
         if result.done or turns is None or _cut(turns, result.observation, limits.max_observation_tokens) != seen:
             raise ReplayDiverged(f"turn {k} replayed: the environment answered differently than recorded")
     episode.restore(start)
 
 
-def _env(method, *args):
+def _env(name: str, method, *args, check: Callable[[Any], Any] | None = None):
+    """`method(*args)`, passed through `check`: what either raises is the environment's failure, an
+    EnvironmentBroke whose one line starts with `name` (a chat template that cannot render the
+    environment's messages, e.g. a role it does not know, is one too)."""
     try:
-        return method(*args)
-    except Exception as e:
-        first = next(iter(str(e).splitlines()), "")
-        raise EnvironmentBroke(f"{method.__name__}: {type(e).__name__}: {first}") from e
+        result = method(*args)
+        return result if check is None else check(result)
+    except (Exception, SystemExit) as e:  # sys.exit() in an environment ends its episode, not the rank
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), None)
+        raise EnvironmentBroke(": ".join(p for p in (name, type(e).__name__, first) if p)) from e
+
+
+def _messages(result: Any) -> list[dict[str, Any]]:
+    return check_observation(result, "reset's messages")
+
+
+_FIELDS = ("observation", "done", "reward", "info")
+
+
+def _step_result(result: Any) -> StepResult:
+    """What `step` returned, checked again as a StepResult: a class of the environment's own with the
+    same fields, or a StepResult changed after it was made, must not reach the loss unchecked (a NaN
+    reward, a message that is no text)."""
+    if not all(hasattr(result, f) for f in _FIELDS):
+        raise TypeError(f"step must return a StepResult(observation, done, reward, info), got "
+                        f"{type(result).__name__} {result!r:.80}")
+    checked = StepResult(*(getattr(result, f) for f in _FIELDS))
+    if not checked.done and not checked.observation:  # the template cannot put a turn right after a turn
+        raise ValueError("step returned done=False with no observation: the model's next turn needs a "
+                         "message to answer (or return done=True)")
+    return checked
 
 
 def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns: ChatTurns | None,
@@ -217,12 +248,10 @@ def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns:
             report.stop = "abort"
             return
         started = time.perf_counter()
-        result = _env(env.step, turn.text)
+        result = _env("step", env.step, turn.text, check=_step_result)
         episode.add_info(result.info, time.perf_counter() - started)
         if result.done:
-            report.reward = result.reward
-            correct = result.info.get("correct")
-            report.correct = correct if isinstance(correct, bool) else None
+            report.reward, report.correct = result.reward, verdict(result.info)
             return
         if report.turns >= limits.max_turns:
             report.stop = "max_turns"
@@ -233,7 +262,7 @@ def _play(env, episode: Episode, sample, cap: int, limits: EpisodeLimits, turns:
         if turns is None:
             raise RuntimeError("the environment continues after a turn but the tokenizer has no chat template")
         shown = _cut(turns, result.observation, limits.max_observation_tokens)
-        observation = turns.observation_ids(shown, turn_stopped=turns.ends_turn(turn.ids))
+        observation = _env("step's observation", turns.observation_ids, shown, turns.ends_turn(turn.ids))
         if len(episode.ids) + len(observation) >= cap:  # no room left for a model token after it
             report.stop = "max_tokens"
             episode.finish_reason = "length"

@@ -26,6 +26,35 @@ def test_the_environments_tools_reach_the_chat_template():
     assert tools == [PYTHON_TOOL]
 
 
+def test_tools_an_environment_sets_in_its_constructor_reach_the_chat_template(tmp_path):
+    """Read from an instance made with env.args: a constructor (or a dataclass field) may set them,
+    which the class alone would not show."""
+    (tmp_path / "calc_envs.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "from megatron_rl.env import Environment, StepResult\n"
+        "def schema(name):\n"
+        "    return {'type': 'function', 'function': {'name': name, 'parameters': {'type': 'object'}}}\n"
+        "class Calc(Environment):\n"
+        "    def __init__(self, ops=('add',)):\n"
+        "        self.tools = [schema(op) for op in ops]\n"
+        "    def reset(self, task):\n"
+        "        return []\n"
+        "    def step(self, turn):\n"
+        "        return StepResult(done=True)\n"
+        "@dataclass\n"
+        "class Field(Environment):\n"
+        "    tools: list = field(default_factory=lambda: [schema('look')])\n"
+        "    def reset(self, task):\n"
+        "        return []\n"
+        "    def step(self, turn):\n"
+        "        return StepResult(done=True)\n")
+    cfg = config_from_dict({"env": {"name": f"{tmp_path}/calc_envs.py:Calc", "args": {"ops": ["add", "mul"]}}})
+    tools = prompt_template(cfg).chat_template_kwargs["tools"]
+    assert [t["function"]["name"] for t in tools] == ["add", "mul"]
+    cfg = config_from_dict({"env": {"name": f"{tmp_path}/calc_envs.py:Field"}})
+    assert [t["function"]["name"] for t in prompt_template(cfg).chat_template_kwargs["tools"]] == ["look"]
+
+
 def test_a_template_that_cannot_continue_an_episode_is_refused_naming_env_name(tiny_tok):
     episode_setup(config_from_dict({}), tiny_tok)  # one turn: no observation to render, any template
     with pytest.raises(InputError, match=r"^env.name: echo plays multi-turn episodes, but .*not with a stop token"):

@@ -136,3 +136,60 @@ def test_file_form_with_a_dataclass(tmp_path):
                 return StepResult(done=True, reward=self.reward)
     '''))
     assert load_environment(f"{tmp_path}/dc_envs.py:Once")().reward == 1.0
+
+
+def test_a_file_imports_modules_next_to_it(tmp_path, monkeypatch):
+    """As under `python file.py`: the file's folder is on sys.path while it imports (from any working
+    directory), and only then."""
+    import sys
+
+    folder = tmp_path / "my envs"
+    folder.mkdir()
+    (folder / "sibling_helper_xyz.py").write_text("INTRO = 'from the helper'\n")
+    (folder / "game.py").write_text("from sibling_helper_xyz import INTRO\n" + COUNTDOWN.replace(
+        'f"{self.left} left"}]\n\n    def step', 'INTRO}]\n\n    def step', 1))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delitem(sys.modules, "sibling_helper_xyz", raising=False)
+    env = make_environment("../my envs/game.py:Countdown", {"start": 1})
+    assert env.reset({}) == [{"role": "user", "content": "from the helper"}]
+    assert str(folder) not in sys.path
+
+
+def test_async_methods_are_refused_when_loaded(tmp_path):
+    """An `async def step` would return a coroutine nobody awaits: refused in one line, before any episode."""
+    (tmp_path / "async_envs.py").write_text(COUNTDOWN.replace("def step", "async def step"))
+    with pytest.raises(EnvLoadError, match=r"^env\.name: .* class Countdown has async step; environments are "
+                                           r"synchronous"):
+        load_environment(f"{tmp_path}/async_envs.py:Countdown")
+
+
+def test_a_missing_constructor_argument_is_named(tmp_path):
+    (tmp_path / "needy_envs.py").write_text(COUNTDOWN.replace("start=3", "start"))
+    with pytest.raises(EnvLoadError, match=re.escape("env.args: ") + r".*needs more than \[\]: missing a required "
+                                           r"argument: 'start'"):
+        make_environment(f"{tmp_path}/needy_envs.py:Countdown", {})
+
+
+@pytest.mark.parametrize("tools", ["{'type': 'function'}", "['calc']", "'calc'"])
+def test_tools_that_are_no_list_of_schemas_are_refused_naming_env_name(tmp_path, tools):
+    """The instance's tools (a constructor may set them) go to apply_chat_template(tools=...): one schema
+    instead of a list, or names, would render garbage or nothing."""
+    source = COUNTDOWN.replace("self.left = start", f"self.left, self.tools = start, {tools}")
+    (tmp_path / "tool_envs.py").write_text(source)
+    with pytest.raises(EnvLoadError, match=r"^env\.name: .*tools must be a list of tool schemas"):
+        make_environment(f"{tmp_path}/tool_envs.py:Countdown")
+
+
+def test_preflight_names_close_not_the_arguments_when_close_raises(tmp_path):
+    """The run's check makes and closes one environment: a close() that raises is named as such (every
+    episode would end that way), not blamed on env.args."""
+    from megatron_rl.config import ConfigError, config_from_dict
+    from megatron_rl.control.preflight import check_config
+
+    (tmp_path / "closing_envs.py").write_text(COUNTDOWN.replace("def close(self):\n        pass",
+                                                                "def close(self):\n        raise OSError('gone')"))
+    cfg = config_from_dict({"env": {"name": f"{tmp_path}/closing_envs.py:Countdown", "args": {"start": 2}}})
+    with pytest.raises(ConfigError, match=r"^env\.name: .*close\(\) of an environment never reset raised OSError: gone"):
+        check_config(cfg)

@@ -120,3 +120,38 @@ def test_base_class_defaults():
     assert env.tools == [] and env.close() is None
     with pytest.raises(NotImplementedError):
         Environment().step("x")
+
+
+def test_numpy_values_an_author_computes_are_taken_as_python_ones():
+    """A reward from numpy (np.float32, np.int64) or a done/correct from an array comparison (np.bool_)
+    is what an author means; a bool reward stays refused (True is no score), and so do NaN and inf."""
+    import numpy as np
+
+    for reward in (np.float32(0.75), np.float64(0.75), np.int64(1)):
+        result = StepResult(done=True, reward=reward)
+        assert type(result.reward) is float and result.reward == float(reward)
+    result = StepResult(done=np.bool_(True), reward=1.0)
+    assert result.done is True
+    for bad in (np.bool_(True), np.float64("nan"), np.float32("inf")):
+        with pytest.raises(TypeError, match="finite float or None"):
+            StepResult(done=True, reward=bad)
+    told = outcome(TASK, StepResult(done=True, reward=1.0, info={"correct": np.bool_(False)}), RIGHT)
+    assert (told.total, told.correct) == (1.0, False)
+
+
+def test_observation_messages_are_copied_and_must_survive_a_checkpoint():
+    """The messages are recorded for a resume (JSON in a checkpoint, compared with a replay's): a copy,
+    so the environment changing its dict later changes nothing recorded, with a tuple read back as the
+    list JSON gives; a value JSON cannot hold, or text the tokenizer cannot take, is refused now."""
+    import numpy as np
+
+    from megatron_rl.env import check_observation
+
+    message = {"role": "tool", "content": "ok", "tags": ("a", "b")}
+    (kept,) = check_observation([message])
+    message["content"] = "changed"
+    assert kept == {"role": "tool", "content": "ok", "tags": ["a", "b"]}
+    for bad in ({"role": "tool", "content": "x", "id": np.int64(3)}, {"role": "tool", "content": "x", "ids": {1}},
+                {"role": "user", "content": "lone \ud800 surrogate"}):
+        with pytest.raises(TypeError, match=r"observation\[0\] must be JSON-serialisable text"):
+            StepResult([bad])

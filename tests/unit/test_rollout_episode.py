@@ -6,6 +6,7 @@ continues exactly as the uninterrupted one, or raises when its environment repla
 and templates are SmolLM2's."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -194,3 +195,166 @@ def test_a_resumed_episode_counts_the_time_it_already_ran_against_its_deadline(c
     ep = run_episode(Echo(turns=4), {}, PROMPT, ContextModel(chat, 2), 1000,
                      EpisodeLimits(max_turns=9, deadline_s=50.0), chat, start=b)
     assert ep.report.stop == "deadline" and ep.report.turns == 2  # one turn after the resume, then past it
+
+
+# ---------------------------------------------------------------- environments written by others
+class Returns(Echo):
+    """Echo whose step (or reset) returns `bad` at its first call: an environment bug of one kind."""
+
+    def __init__(self, bad, at="step"):
+        super().__init__(turns=3)
+        self.bad, self.at = bad, at
+
+    def reset(self, task):
+        first = super().reset(task)
+        return self.bad() if self.at == "reset" else first
+
+    def step(self, turn):
+        super().step(turn)
+        return self.bad()
+
+
+def _nan_after_the_fact():
+    from megatron_rl.env import StepResult
+
+    result = StepResult(done=True, reward=1.0)
+    object.__setattr__(result, "reward", float("nan"))  # past StepResult's own check
+    return result
+
+
+def _exits():
+    raise SystemExit(3)
+
+
+def _no_observation():
+    from megatron_rl.env import StepResult
+
+    return StepResult([])
+
+
+BAD = {  # what an environment returns -> the start of its episode's one-line error
+    "gym tuple": (lambda: ([], True, 1.0, {}), "step", "step: TypeError: step must return a StepResult"),
+    "plain dict": (lambda: {"observation": [], "done": True, "reward": 1.0}, "step",
+                   "step: TypeError: step must return a StepResult"),
+    "None": (lambda: None, "step", "step: TypeError: step must return a StepResult"),
+    "NaN set after": (_nan_after_the_fact, "step", "step: TypeError: StepResult.reward must be a finite float"),
+    "nothing to answer": (_no_observation, "step", "step: ValueError: step returned done=False with no observation"),
+    "sys.exit": (_exits, "step", "step: SystemExit: 3"),
+    "reset None": (lambda: None, "reset", "reset: TypeError: reset's messages must be a list"),
+    "reset dict": (lambda: {"role": "user", "content": "hi"}, "reset", "reset: TypeError: reset's messages must be"),
+    "reset content parts": (lambda: [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "reset",
+                            "reset: TypeError: reset's messages[0] must be a dict with"),
+    "reset int content": (lambda: [{"role": "user", "content": 7}], "reset",
+                          "reset: TypeError: reset's messages[0] must be a dict with"),
+    "reset surrogate": (lambda: [{"role": "user", "content": "\ud800"}], "reset",
+                        "reset: TypeError: reset's messages[0] must be JSON-serialisable text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_what_an_environment_returns_is_checked_and_a_bad_return_fails_only_its_episode(chat, case):
+    """A return the contract does not allow is the environment's failure: its episode fails with one line
+    saying what was wrong (never an exception out of the episode that would stop the generator rank,
+    never a reward the loss cannot take), and the environment is closed."""
+    bad, at, error = BAD[case]
+    env = Returns(bad, at)
+    ep = run_episode(env, {}, PROMPT, Model(chat), 1000, EpisodeLimits(max_turns=5), chat)
+    assert ep.report.stop == "env_error" and ep.report.error.startswith(error), ep.report.error
+    assert "\n" not in ep.report.error and ep.report.reward is None and env.closed
+
+
+def test_an_exception_with_an_empty_first_line_keeps_its_message(chat):
+    class Terse(Echo):
+        def step(self, turn):
+            raise ValueError("\nthe real reason\nmore")
+
+    ep = run_episode(Terse(), {}, PROMPT, Model(chat), 1000, EpisodeLimits(max_turns=5), chat)
+    assert ep.report.error == "step: ValueError: the real reason"
+
+
+def test_an_observation_the_chat_template_cannot_render_fails_the_episode(chat):
+    """A role the model's template refuses is the environment's failure, not the generator rank's."""
+    tok = copy.deepcopy(chat.tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'critic' %}{{ raise_exception('no critic "
+                         "role') }}{% endif %}{% endfor %}" + tok.chat_template)
+    strict = dataclasses.replace(chat, tokenizer=tok)
+
+    class Critic(Echo):
+        def step(self, turn):
+            result = super().step(turn)
+            return type(result)([{"role": "critic", "content": "hm"}]) if not result.done else result
+
+    env = Critic(turns=3)
+    ep = run_episode(env, {}, PROMPT, Model(chat), 1000, EpisodeLimits(max_turns=5), strict)
+    assert ep.report.stop == "env_error" and env.closed
+    assert ep.report.error.startswith("step's observation: TemplateError: the chat template cannot render an "
+                                      "observation (critic)")
+
+
+def test_numpy_verdicts_and_counts_in_info_are_read(chat):
+    import numpy as np
+
+    from megatron_rl.env import StepResult
+
+    class Numpy(Echo):
+        def step(self, turn):
+            return StepResult(done=np.bool_(True), reward=np.float32(0.5),
+                              info={"correct": np.bool_(False), "tool_calls": np.int64(2), "seen": {1, 2}})
+
+    ep = run_episode(Numpy(), {}, PROMPT, Model(chat), 1000, EpisodeLimits(max_turns=5), chat)
+    r = ep.report
+    assert (r.stop, r.reward, r.correct, r.tool_calls) == ("done", 0.5, False, 2)
+    assert type(r.reward) is float and type(r.correct) is bool
+
+
+def test_an_environment_changing_its_task_changes_no_other_episodes(chat):
+    """The episodes of a group share their task dict: each environment gets its own copy."""
+    class Taker(Echo):
+        def reset(self, task):
+            self.answer = task.pop("answer")
+            return super().reset(task)
+
+    task = {"kind": "math", "answer": "6"}
+    for _ in range(2):
+        ep = run_episode(Taker(turns=1), task, PROMPT, Model(chat), 1000, EpisodeLimits(max_turns=5), chat)
+        assert ep.report.stop == "done"
+    assert task == {"kind": "math", "answer": "6"}
+
+
+def test_the_messages_reset_shows_are_cut_like_any_observation(chat):
+    class Verbose(Echo):
+        def reset(self, task):
+            super().reset(task)
+            return [{"role": "user", "content": "y " * 5000}]
+
+    ep = run_episode(Verbose(turns=1), {}, PROMPT, Model(chat), 1000, EpisodeLimits(1, None, 32), chat)
+    text = chat.tokenizer.decode(ep.prompt_ids)
+    shown = text.count("y") - chat.tokenizer.decode(PROMPT).count("y")
+    assert shown == 32 and "[... output cut:" in text and len(ep.prompt_ids) < len(PROMPT) + 80
+
+
+def test_what_is_recorded_is_what_was_shown_and_a_checkpoint_replays_it(chat):
+    """The environment reuses (and changes) its message dict and gives a tuple in an extra key: the
+    boundaries record what each observation was when shown, and an episode resumed from a checkpoint
+    (JSON, where a tuple becomes a list) replays instead of diverging."""
+    from megatron_rl.env import StepResult
+
+    class Reuser(Echo):
+        def reset(self, task):
+            self.message = {"role": "tool", "content": "", "tags": ("a", "b")}
+            return super().reset(task)
+
+        def step(self, turn):
+            result = super().step(turn)
+            self.message["content"] = f"step {self.k}"
+            return result if result.done else StepResult([self.message])
+
+    seen = []
+    full = run_episode(Reuser(turns=3), {}, PROMPT, ContextModel(chat, 1), 1000, EpisodeLimits(max_turns=9), chat,
+                       on_boundary=lambda ep: seen.append(ep.partial("g", 0)))
+    assert [o[0]["content"] for o in full.observations] == ["step 1", "step 2"]
+    assert [o[0]["content"] for o in seen[0].observations] == ["step 1"]
+    b = PartialEpisode.from_dict(json.loads(json.dumps(seen[1].to_dict())))
+    ep = run_episode(Reuser(turns=3), {}, PROMPT, ContextModel(chat, 2), 1000, EpisodeLimits(max_turns=9), chat,
+                     start=b)
+    assert ep.report.resumed_turns == 2 and ep.ids == full.ids

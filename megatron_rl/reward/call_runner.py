@@ -73,7 +73,7 @@ def run_calls(out: int, plain) -> None:
     module.__file__ = f"{BOX}/solution.py"
     sys.modules["solution"] = module
     try:
-        with open(module.__file__, encoding="utf-8") as f:
+        with open(module.__file__, "rb") as f:  # bytes: decoded as `python solution.py` would (BOM, coding)
             exec(compile(f.read(), module.__file__, "exec"), module.__dict__)
     except BaseException as e:  # noqa: BLE001 -- SystemExit at load is a failed load too
         send(out, {"load_error": type(e).__name__, "message": error_text(e)})

@@ -23,8 +23,11 @@ passed; ``passed`` (the reward's "correct") needs all of them. Statuses: ok, wro
 non-plain result), runtime_error (the call raised), memory (MemoryError), timeout, output_limit (the
 results and prints of the process passed max_output_bytes), not_run; for the whole program:
 compile_error (a syntax error), runtime_error (loading it raised), sandbox_unavailable.
-Limits: CodeLimits (test_timeout_s per call and for loading the code, memory_mb for the process at
-any time, max_tests calls at most, CPU time (max_tests + 1) x test_timeout_s in all).
+Limits: CodeLimits (test_timeout_s per call and for loading the code, memory_mb for the process and
+any children it forks together, max_tests calls at most, CPU time (max_tests + 1) x test_timeout_s in
+all, and total_timeout_s of wall clock for the whole grading, test code expansion included: past it the
+call in flight is "timeout"). The solution is compiled from its file's bytes, as ``python solution.py``
+reads it (a BOM, a coding line; invalid UTF-8 is a compile_error).
 """
 from __future__ import annotations
 
@@ -53,8 +56,8 @@ class FrameReader:
     each call a fresh deadline when the previous frame is complete, and stops the run once the load
     frame and every result are in (no waiting for the candidate's exit)."""
 
-    def __init__(self, n_calls: int, timeout_s: float):
-        self.n_frames, self.timeout_s = n_calls + 1, timeout_s
+    def __init__(self, n_calls: int, timeout_s: float, end: float = math.inf):
+        self.n_frames, self.timeout_s, self.end = n_calls + 1, timeout_s, end  # end: the grading deadline
         self.frames: list[bytes] = []
         self.times: list[float] = []  # seconds from the previous frame to each frame
         self.buf = bytearray()
@@ -71,7 +74,7 @@ class FrameReader:
             self.frames.append(line)
             self.times.append(now - self.last)
             self.last = now
-        return STOP if len(self.frames) >= self.n_frames else now + self.timeout_s
+        return STOP if len(self.frames) >= self.n_frames else min(now + self.timeout_s, self.end)
 
 
 def run_call_tests(code: str, tests: Any, entry_point: str | None = None, limits: CodeLimits | None = None,
@@ -95,13 +98,14 @@ def run_call_tests(code: str, tests: Any, entry_point: str | None = None, limits
     if jail is None:
         return CodeResult(False, 0, 0, SANDBOX_UNAVAILABLE, "python", message=why,
                           total_s=time.perf_counter() - t0)
-    result = _grade(code, calls, jail, tc, lim)
+    result = _grade(code, calls, jail, tc, lim, lim.deadline(t0))
     result.sandboxed, result.total_s = sandboxed, time.perf_counter() - t0
     return result
 
 
-def _grade(code: str, calls: list[CallTest], jail: Jail, tc: Toolchain, lim: CodeLimits) -> CodeResult:
-    reader = FrameReader(len(calls), lim.test_timeout_s)
+def _grade(code: str, calls: list[CallTest], jail: Jail, tc: Toolchain, lim: CodeLimits,
+           end: float = math.inf) -> CodeResult:
+    reader = FrameReader(len(calls), lim.test_timeout_s, end)
     with jail.workspace() as ws:
         copy_runner(ws)
         write_file(ws, "solution.py", code)
@@ -109,7 +113,8 @@ def _grade(code: str, calls: list[CallTest], jail: Jail, tc: Toolchain, lim: Cod
                                                  for c in calls]))
         cpu_s = math.ceil(lim.test_timeout_s) * (len(calls) + 1)
         out = jail.run([tc.python, "-I", f"{BOX}/_call_runner.py", "calls"],
-                       rlimits=rlimits(lim, cpu_s, lim.memory_mb, lim.fsize_mb), wall_s=lim.test_timeout_s,
+                       rlimits=rlimits(lim, cpu_s, lim.memory_mb, lim.fsize_mb),
+                       wall_s=max(0.0, min(lim.test_timeout_s, end - time.perf_counter())),
                        max_output=lim.max_output_bytes, workspace=ws, on_stdout=reader)
     if out.setup_error is not None:
         return CodeResult(False, 0, len(calls), SANDBOX_UNAVAILABLE, "python", message=out.setup_error)

@@ -9,8 +9,9 @@ Output comparison (``outputs_match``): both sides are decoded as UTF-8 (bad byte
 becomes LF, trailing whitespace at the end of every line is ignored, and trailing empty lines are
 ignored. Leading and inner whitespace, blank lines in the middle, and letter case are significant.
 
-Statuses: ok, compile_error, compile_timeout, wrong_answer, timeout (wall or CPU limit),
-runtime_error, memory (MemoryError / std::bad_alloc under the address-space limit), output_limit,
+Statuses: ok, compile_error, compile_timeout, wrong_answer, timeout (wall or CPU limit, or the
+program's total_timeout_s spent), runtime_error, memory (MemoryError / std::bad_alloc under the
+address-space limit, or the sandbox's processes together over memory_mb), output_limit,
 unsupported_language, and sandbox_unavailable: bwrap missing, user namespaces refused, the sandbox
 setup failed, or no compiler. The program never ran, so that status is a grading FAILURE, not a
 wrong answer (``CodeResult.graded`` is False; reward.score reports it as its own status).
@@ -30,6 +31,7 @@ from megatron_rl.reward.sandbox import BOX, Jail, RunOutcome, available
 from megatron_rl.reward.sandbox_proc import RLimits
 
 SANDBOX_UNAVAILABLE = "sandbox_unavailable"
+TOTAL_SHARE = 0.75  # CodeLimits.from_config: share of the verifier's per-item deadline for one program
 PYTHON_TAGS = {"python", "python3", "py", "py3"}
 CPP_TAGS = {"cpp": "c++17", "c++": "c++17", "cxx": "c++17", "cc": "c++17", "cpp11": "c++11",
             "cpp14": "c++14", "cpp17": "c++17", "cpp20": "c++20", "c++11": "c++11",
@@ -51,11 +53,17 @@ class CodeLimits:
     # Without bwrap/user namespaces the answer is sandbox_unavailable. True = run anyway with rlimits and
     # a uid drop only (no filesystem/network isolation); the result then says sandboxed=False.
     allow_unsandboxed: bool = False
+    # Wall clock for grading one program in all (compile, every test; function calls: test code expanded
+    # too), None = no bound. Past it the test in flight is "timeout" and no later test runs: a verdict,
+    # where a verifier pool's per-item deadline would leave none. from_config: TOTAL_SHARE of that deadline.
+    total_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("compile_timeout_s", "test_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CodeLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.total_timeout_s is not None and not self.total_timeout_s > 0:
+            raise ValueError(f"CodeLimits.total_timeout_s must be > 0 or None, got {self.total_timeout_s!r}")
         for name, lo in (("max_tests", 1), ("memory_mb", 16), ("max_output_bytes", 1),
                          ("compile_memory_mb", 64), ("nproc", 4), ("fsize_mb", 1)):
             if int(getattr(self, name)) < lo:
@@ -63,10 +71,18 @@ class CodeLimits:
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> "CodeLimits":
-        """From a ``megatron_rl.config.RewardConfig`` (values passed in, no global state)."""
+        """From a ``megatron_rl.config.RewardConfig`` (values passed in, no global state). Grading one
+        program gets TOTAL_SHARE of reward.verifier_item_timeout_s: 20 tests x 4 s would outlast the
+        pool's 60 s, and an item past that deadline has no verdict (its group is dropped), so a slow
+        wrong program would escape its zero."""
         return cls(**{"compile_timeout_s": cfg.code_compile_timeout_s, "test_timeout_s": cfg.code_test_timeout_s,
                       "max_tests": cfg.code_max_tests, "memory_mb": cfg.code_memory_mb,
-                      "max_output_bytes": cfg.code_max_output_bytes, **overrides})
+                      "max_output_bytes": cfg.code_max_output_bytes,
+                      "total_timeout_s": TOTAL_SHARE * cfg.verifier_item_timeout_s, **overrides})
+
+    def deadline(self, t0: float) -> float:
+        """The time.perf_counter() by which grading that started at ``t0`` must end (inf: none)."""
+        return math.inf if self.total_timeout_s is None else t0 + self.total_timeout_s
 
 
 @dataclass
@@ -187,6 +203,8 @@ def classify(out: RunOutcome) -> str:
         return SANDBOX_UNAVAILABLE
     if out.output_exceeded:
         return "output_limit"
+    if out.memory_exceeded:
+        return "memory"
     if out.timed_out or out.signal == signal.SIGXCPU:
         return "timeout"
     if out.exit_code != 0:
@@ -204,6 +222,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
     checked = _check_tests(tests)
     lim = limits_with(limits, overrides)
     tc = toolchain or Toolchain()
+    end = lim.deadline(t0)
     checked = checked[: lim.max_tests]
     n = len(checked)
     tag = language.strip().lower() if isinstance(language, str) else str(language)
@@ -231,7 +250,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
             write_file(ws, "main.cpp", code)
             comp = jail.run([tc.gxx, f"-std={CPP_TAGS[tag]}", "-O2", "-pipe", "-o", f"{BOX}/prog",
                              f"{BOX}/main.cpp"], rlimits=rlimits(lim, lim.compile_timeout_s,
-                            lim.compile_memory_mb, 256), wall_s=lim.compile_timeout_s,
+                            lim.compile_memory_mb, 256), wall_s=min(lim.compile_timeout_s, end - time.perf_counter()),
                             max_output=64 << 10, workspace=ws, writable=True, cwd=BOX)
             compile_s = comp.wall_s
             bad = classify(comp)
@@ -245,7 +264,11 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
         rl = rlimits(lim, lim.test_timeout_s, lim.memory_mb, lim.fsize_mb)
         times: list[float] = []
         for i, (inp, expected) in enumerate(checked):
-            out = jail.run(cmd, stdin=inp, rlimits=rl, wall_s=lim.test_timeout_s,
+            wall_s = min(lim.test_timeout_s, end - time.perf_counter())
+            if wall_s <= 0:
+                return done("timeout", n_passed=i, first_failed=i, compile_s=compile_s, test_s=times,
+                            message=f"grading time spent (total_timeout_s={lim.total_timeout_s})")
+            out = jail.run(cmd, stdin=inp, rlimits=rl, wall_s=wall_s,
                            max_output=lim.max_output_bytes, workspace=ws, writable=False)
             times.append(out.wall_s)
             status = classify(out)
@@ -269,9 +292,12 @@ def _short(s: str | bytes, n: int = 120) -> str:
 
 
 def write_file(ws: str, name: str, text: str) -> None:
-    """A file of the workspace, readable by the sandbox uid."""
+    """A file of the workspace, readable by the sandbox uid. UTF-8; a lone surrogate (a str that is no
+    valid Unicode text, e.g. from a JSON "\\ud800" escape) is written as its 3 bytes, which no UTF-8
+    decoder accepts: the toolchain rejects that source as it would any invalid UTF-8 (Python: a
+    SyntaxError, compile_error), instead of the verifier raising UnicodeEncodeError."""
     path = os.path.join(ws, name)
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(text)
     os.chmod(path, 0o644)
 

@@ -5,7 +5,9 @@ Equality (``plain_equal``), the rules users of assert-based tests expect, recurs
 - numbers (bool, int, float) compare as numbers, as Python's ``==`` does (``True == 1``, ``3 == 3.0``);
   when either side is a float, they are equal when ``math.isclose(got, expected, rel_tol, abs_tol)``
   holds, by default rel_tol = abs_tol = 1e-9 (``FLOAT_REL_TOL`` / ``FLOAT_ABS_TOL``); NaN equals NaN and
-  an infinity only itself; ints alone compare exactly, however large;
+  an infinity only itself; ints alone compare exactly, however large, and so does an expected int
+  beyond 2**53, where floats no longer hold every integer (a float approximation of a large count,
+  ``exp(lgamma(...))``, is not the count: Python's ``==`` says so too);
 - str with str, bytes with bytes: exactly (a str never equals bytes);
 - list and tuple are interchangeable sequences: equal length, elements equal in order;
 - set and frozenset: the same elements (Python set equality, exact: no float tolerance inside sets);
@@ -26,6 +28,7 @@ from megatron_rl.reward.plain import check_hashes
 FLOAT_REL_TOL = 1e-9
 FLOAT_ABS_TOL = 1e-9
 _NUMBER = (bool, int, float)
+_FLOAT_EXACT = 2 ** 53
 _SEQUENCE = (list, tuple)
 _SETS = (set, frozenset)
 
@@ -36,10 +39,15 @@ WRAPS = {f.__name__: f for f in (set, frozenset, sorted, list, tuple, len, abs, 
 OPS = ("eq", "ne", "is", "truthy", "falsy", "in", "returns")
 
 
+def _exact_int(value: Any) -> bool:
+    """An int that a float may not stand for: beyond 2**53 most integers have no float."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > _FLOAT_EXACT
+
+
 def plain_equal(got: Any, expected: Any, rel_tol: float = FLOAT_REL_TOL, abs_tol: float = FLOAT_ABS_TOL) -> bool:
     """Equality of two decoded plain values under the rules of this module's docstring."""
     if isinstance(got, _NUMBER) and isinstance(expected, _NUMBER):
-        if isinstance(got, float) or isinstance(expected, float):
+        if (isinstance(got, float) or isinstance(expected, float)) and not _exact_int(expected):
             try:
                 if math.isnan(got) or math.isnan(expected):
                     return math.isnan(got) and math.isnan(expected)

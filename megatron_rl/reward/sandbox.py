@@ -11,7 +11,12 @@ One call = one fresh sandbox::
 Around it: rlimits (CPU, AS, NPROC, FSIZE, NOFILE, STACK, CORE=0) set in the child before exec,
 stdout/stderr read with a byte cap, a wall-clock deadline after which the outer bwrap's process group
 and the namespace init are SIGKILLed (the kernel then kills every process of the PID namespace, so
-daemonised children die too), and reaping of the namespace init through a child-subreaper.
+daemonised children die too), and reaping of the namespace init through a child-subreaper. RLIMIT_AS
+bounds each process, not their sum (a program that forks could hold NPROC x AS of the host's memory):
+every sandbox_proc.WATCH_S s the resident anonymous memory of all its processes is summed
+(``namespace_memory``) and a sandbox over ``rlimits.memory_mb`` is killed (``memory_exceeded``).
+Memory that no process maps is refused outright by a seccomp filter (``SECCOMP_REFUSED``: SysV shared
+memory and message queues, memfd_create; x86_64 and aarch64).
 
 When the runner is root it drops to the unprivileged uid before exec'ing bwrap: root's processes are
 exempt from RLIMIT_NPROC, and an unprivileged bwrap must build a real user namespace. Paths such
@@ -23,9 +28,12 @@ If bwrap is missing or namespaces are refused, ``available()`` says why and noth
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import platform
 import shutil
+import struct
 import signal
 import subprocess
 import sys
@@ -35,12 +43,41 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_rl.reward.sandbox_proc import (
-    NamespaceInit, RLimits, become_subreaper, collect, hide_plan, make_preexec,
+    NamespaceInit, RLimits, become_subreaper, collect, hide_plan, make_preexec, namespace_memory,
 )
 
 SANDBOX_UID = 65534  # uid/gid the program sees (nobody)
 BOX = "/box"  # where the per-call workspace is mounted inside the sandbox
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+# Refused (EPERM) by a seccomp filter: memory that neither RLIMIT_AS nor the sum of resident memory sees.
+# A SysV shared memory segment stays allocated once detached (in the sandbox's IPC namespace, whose
+# limits are unbounded: one process could hold any amount), a message queue likewise, and a memfd is a
+# file in RAM outside /tmp's size cap (NOFILE x FSIZE per process). Other machines run without a filter.
+SECCOMP_REFUSED = ("shmget", "msgget", "memfd_create")
+_ABI = {"x86_64": (0xC000003E, {"shmget": 29, "msgget": 68, "memfd_create": 319}),  # AUDIT_ARCH_*, numbers
+        "aarch64": (0xC00000B7, {"shmget": 194, "msgget": 186, "memfd_create": 279})}
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """The classic BPF program (struct sock_filter[]) given to ``bwrap --seccomp``: EPERM for
+    SECCOMP_REFUSED and for every call of another ABI (i386 or x32 calls name them by other numbers);
+    None on a machine without a table here."""
+    arch, numbers = _ABI.get(machine or platform.machine(), (None, None))
+    if arch is None:
+        return None
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    checks = [(jge, 0x40000000)] if arch == 0xC000003E else []  # x32: __X32_SYSCALL_BIT
+    checks += [(jeq, numbers[name]) for name in SECCOMP_REFUSED]
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]  # seccomp_data.arch, .nr
+    prog += [(op, len(checks) - i, 0, k) for i, (op, k) in enumerate(checks)]  # match: jump to deny
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+_SECCOMP = seccomp_filter()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -59,6 +96,7 @@ class RunOutcome:
     output_exceeded: bool = False  # stdout + stderr passed the byte cap (killed)
     setup_error: str | None = None  # the sandbox itself failed: the program never ran
     stopped: bool = False  # the caller's on_stdout watcher ended it (it had every result it needed)
+    memory_exceeded: bool = False  # its processes together held more than rlimits.memory_mb (killed)
 
     @property
     def signal(self) -> int | None:
@@ -92,7 +130,7 @@ class Jail:
 
     # ------------------------------------------------------------------ argv
     def argv(self, cmd: list[str], status_fd: int, workspace: str | None, writable: bool,
-             cwd: str) -> list[str]:
+             cwd: str, seccomp_fd: int | None = None) -> list[str]:
         if self.bare:  # /box paths name the workspace directly
             return [workspace + c[len(BOX):] if workspace and c.startswith(BOX + "/") else c
                     for c in cmd]
@@ -114,6 +152,8 @@ class Jail:
         a += ["--remount-ro", "/", "--clearenv"]
         for k, v in self.env.items():
             a += ["--setenv", k, v]
+        if seccomp_fd is not None:
+            a += ["--seccomp", str(seccomp_fd)]
         return a + ["--chdir", cwd, "--json-status-fd", str(status_fd), "--"] + cmd
 
     # ------------------------------------------------------------------ workspace
@@ -152,10 +192,16 @@ class Jail:
         stdin_fd = os.memfd_create("sandbox-stdin")
         os.write(stdin_fd, stdin)
         os.lseek(stdin_fd, 0, os.SEEK_SET)
+        seccomp_fd = None
+        if _SECCOMP is not None and not self.bare:
+            seccomp_fd = os.memfd_create("sandbox-seccomp")
+            os.write(seccomp_fd, _SECCOMP)
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
         try:
             proc = subprocess.Popen(
-                self.argv(cmd, status_w, workspace, writable, cwd), stdin=stdin_fd,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
+                self.argv(cmd, status_w, workspace, writable, cwd, seccomp_fd), stdin=stdin_fd,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(status_w,) if seccomp_fd is None else (status_w, seccomp_fd),
                 preexec_fn=preexec, start_new_session=True, cwd=cwd if self.bare else "/",
                 env=dict(self.env) if self.bare else {})
         except (OSError, subprocess.SubprocessError) as e:
@@ -164,6 +210,8 @@ class Jail:
         finally:
             os.close(status_w)
             os.close(stdin_fd)
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
 
         state: dict = {"init": None, "exit": None}
 
@@ -184,8 +232,14 @@ class Jail:
             if state["init"] is not None:
                 state["init"].kill()
 
+        def over_memory() -> bool:  # RLIMIT_AS bounds each process; this bounds the sandbox's sum
+            init = state["init"]
+            return init is not None and namespace_memory(init, host_uid) > rlimits.memory_mb << 20
+
+        host_uid = uid if uid is not None else os.getuid()  # the sandbox's processes, seen from here
         try:
-            c = collect(proc, status_r, wall_s, max_output, on_status, kill, on_stdout=on_stdout)
+            c = collect(proc, status_r, wall_s, max_output, on_status, kill, on_stdout=on_stdout,
+                        watch=None if self.bare else over_memory)
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -197,12 +251,12 @@ class Jail:
             proc.stderr.close()
             if state["init"] is not None:
                 state["init"].reap()
-        ended_by_us = c.timed_out or c.output_exceeded or c.stopped
+        ended_by_us = c.timed_out or c.output_exceeded or c.stopped or c.memory_exceeded
         if self.bare and proc.returncode is not None and not ended_by_us:
             rc = proc.returncode
             state["exit"] = 128 - rc if rc < 0 else rc
         out = RunOutcome(state["exit"], c.stdout, c.stderr, c.wall_s, c.timed_out, c.output_exceeded,
-                         stopped=c.stopped)
+                         stopped=c.stopped, memory_exceeded=c.memory_exceeded)
         if out.exit_code is None and not ended_by_us:
             msg = c.stderr.decode(errors="replace").strip() or f"bwrap exited {proc.returncode}"
             out.setup_error = msg[-500:]

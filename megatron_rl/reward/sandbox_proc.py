@@ -121,16 +121,17 @@ class NamespaceInit:
 
     def __init__(self, pid: int, pid_ns: int | None):
         self.fd: int | None = None
+        self.pid, self.pid_ns = pid, pid_ns  # pid_ns: inode of the namespace (bwrap's report, else read here)
         try:
             fd = os.pidfd_open(pid)
         except OSError:
             return  # already gone and reaped by bwrap
         try:  # pid recycled between bwrap's report and pidfd_open? then it is not in our namespace
-            ok = pid_ns is None or os.stat(f"/proc/{pid}/ns/pid").st_ino == pid_ns
+            ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
         except OSError:
-            ok = True  # exited already: the pidfd still names the right (dead) process
-        if ok:
-            self.fd = fd
+            ns = None  # exited already: the pidfd still names the right (dead) process
+        if pid_ns is None or ns is None or ns == pid_ns:
+            self.fd, self.pid_ns = fd, pid_ns if pid_ns is not None else ns
         else:
             os.close(fd)
 
@@ -155,6 +156,58 @@ class NamespaceInit:
             self.fd = None
 
 
+WATCH_S = 0.1  # how often a sandbox's memory is summed (collect's ``watch``)
+
+
+def namespace_memory(init: NamespaceInit, uid: int) -> int:
+    """Bytes of anonymous and shared memory resident in the processes of a sandbox: those of host ``uid``
+    in the PID namespace of ``init`` (bwrap's init itself left out), RssAnon + RssShmem of
+    /proc/<pid>/status. RLIMIT_AS bounds each process, not their sum: a program that forks could hold
+    RLIMIT_NPROC x RLIMIT_AS. Pages that processes share (copy-on-write after a fork, a shared mapping)
+    count in each of them: an upper bound."""
+    if init.pid_ns is None:
+        return 0
+    total = 0
+    for pid in _sandbox_pids(init):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid or os.stat(f"/proc/{pid}/ns/pid").st_ino != init.pid_ns:
+                continue
+            with open(f"/proc/{pid}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        for line in status.splitlines():
+            if line.startswith((b"RssAnon:", b"RssShmem:")):
+                total += int(line.split()[1]) << 10  # kB
+    return total
+
+
+def _sandbox_pids(init: NamespaceInit) -> list[int]:
+    """Candidate pids of the sandbox's processes: init's descendants where the kernel lists children
+    (every orphan of the namespace is reparented to init, so the tree holds them all; the cost follows
+    the sandbox's size), else every pid of the host (the caller filters by uid and namespace)."""
+    found, todo = [], [init.pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except FileNotFoundError:
+                if pid == init.pid:  # no CONFIG_PROC_CHILDREN
+                    return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) != init.pid]
+                continue
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 @dataclass
 class Collected:
     stdout: bytes
@@ -164,35 +217,45 @@ class Collected:
     output_exceeded: bool
     wall_s: float
     stopped: bool = False  # the watcher (on_stdout) ended the run: it had what it needed
+    memory_exceeded: bool = False  # ``watch`` said the sandbox holds too much memory (killed)
 
 
 STOP = -1.0  # returned by an on_stdout watcher: end the run now (not a timeout)
 
 
 def collect(proc, status_r: int, wall_s: float, max_output: int, on_status, kill,
-            stderr_tail: int = 4096, on_stdout=None) -> Collected:
+            stderr_tail: int = 4096, on_stdout=None, watch=None) -> Collected:
     """Read stdout/stderr/status until all close or a limit trips. ``on_status(bytes_so_far)`` is
     called as status data arrives; ``kill()`` is called once on wall timeout or when stdout+stderr
     exceed ``max_output`` bytes, and reading then continues to EOF (the namespace is dead).
     ``on_stdout(chunk)``, when given, sees each stdout chunk as it arrives and returns None, a new
     deadline (a time.perf_counter() value: a program reporting progress gets a fresh time limit), or
-    STOP to end the run at once."""
+    STOP to end the run at once. ``watch()``, when given, is called every WATCH_S seconds while the run
+    lasts; True kills it (``memory_exceeded``)."""
     t0 = time.perf_counter()
     deadline = t0 + wall_s
+    next_watch = t0 + WATCH_S if watch is not None else float("inf")
     sel = selectors.DefaultSelector()
     bufs: dict[str, bytearray] = {"out": bytearray(), "err": bytearray(), "st": bytearray()}
     for name, f in (("out", proc.stdout.fileno()), ("err", proc.stderr.fileno()), ("st", status_r)):
         os.set_blocking(f, False)
         sel.register(f, selectors.EVENT_READ, name)
     n_out = 0
-    timed_out = exceeded = killed = stopped = False
+    timed_out = exceeded = killed = stopped = over_memory = False
     try:
         while sel.get_map():
-            remaining = deadline - time.perf_counter()
+            now = time.perf_counter()
+            remaining = deadline - now
             if remaining <= 0 and not killed:
                 timed_out = killed = True
                 kill()
-            for key, _ in sel.select(timeout=max(remaining, 0.05) if not killed else 1.0):
+            if now >= next_watch and not killed:
+                next_watch = now + WATCH_S
+                if watch():
+                    over_memory = killed = True
+                    kill()
+            wait = min(remaining, next_watch - now)
+            for key, _ in sel.select(timeout=max(wait, 0.05) if not killed else 1.0):
                 try:
                     chunk = os.read(key.fd, 65536)
                 except BlockingIOError:
@@ -226,4 +289,4 @@ def collect(proc, status_r: int, wall_s: float, max_output: int, on_status, kill
     finally:
         sel.close()
     return Collected(bytes(bufs["out"][:max_output]), bytes(bufs["err"][-stderr_tail:]),
-                     bytes(bufs["st"]), timed_out, exceeded, time.perf_counter() - t0, stopped)
+                     bytes(bufs["st"]), timed_out, exceeded, time.perf_counter() - t0, stopped, over_memory)

@@ -268,3 +268,15 @@ def _cmdline(pid: str) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_forked_children_share_the_memory_limit_of_the_process():
+    """RLIMIT_AS bounds each process: the second call forks six children of 120 MB each (720 MB, each under
+    its 256 MB). The sandbox's total is bounded too: that call fails with "memory", the first keeps its
+    verdict, and the rest never ran."""
+    hog = ("import os, time\ndef solve(xs):\n    if xs == [5]:\n        for _ in range(6):\n"
+           "            if os.fork() == 0:\n                held = b'x' * (120 << 20)\n                time.sleep(5)\n"
+           "                os._exit(0)\n        time.sleep(5)\n    return sorted(2 * x for x in xs)\n")
+    r = run_call_tests(hog, ASSERTS, test_timeout_s=8.0, memory_mb=256)
+    assert r.test_statuses == ["ok", "memory", "not_run"] and r.total_s < 5, (r.test_statuses, r.message)
+    assert ours(HONEST).passed

@@ -177,3 +177,32 @@ def test_a_program_graded_on_a_task_of_either_kind_under_the_config_limits():
         assert (full.passed, full.n_tests, capped.passed, capped.n_tests) == (True, 5, True, 2), kind
     with pytest.raises(TaskError, match="a code task is needed"):
         run_task_tests({"kind": "math", "answer": "1"}, code)
+
+
+def test_the_solution_is_read_as_python_reads_a_file():
+    """A leading BOM loads as it does for `python main.py` (stdin/stdout tests), and a lone surrogate (no
+    UTF-8 form) is a compile error for every test, not an exception of the verifier."""
+    from megatron_rl.reward.code import run_tests
+
+    calls = [{"function": "f", "args": [2], "expected": 4}, {"function": "f", "args": [3], "expected": 6}]
+    bom = "\ufeffdef f(x):\n    return 2 * x\n\nif __name__ == '__main__':\n    print(f(int(input())))\n"
+    r = run_call_tests(bom, calls)
+    assert (r.passed, r.test_statuses) == (True, ["ok", "ok"]), r.message
+    assert run_tests(bom, [{"input": "2\n", "output": "4\n"}]).passed  # the same program, as a script
+    r = run_call_tests("def f(x):\n    return '\ud800' and 2 * x\n", calls)
+    assert (r.status, r.test_statuses) == ("compile_error", ["compile_error"] * 2), r.message
+
+
+def test_a_slow_program_is_graded_within_the_budget_of_the_config():
+    """Every call just under its limit: 10 x 0.8 s outlast a pool item deadline of 4 s, after which the item
+    would have no verdict (its group dropped, the wrong answers never scored 0). Under the config's limits
+    the run ends at 3/4 of it, the call in flight "timeout" and the rest "not_run": a verdict."""
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.reward.code_task import run_task_tests
+
+    slow_wrong = "import time\ndef f(x):\n    time.sleep(0.8)\n    return -1\n"
+    task = {"kind": "code", "tests": [{"function": "f", "args": [i], "expected": i} for i in range(10)]}
+    r = run_task_tests(task, slow_wrong, RewardConfig(verifier_item_timeout_s=4.0, code_test_timeout_s=1.0))
+    assert r.graded and not r.passed and r.total_s < 3.8, (r.total_s, r.test_statuses)
+    k = r.test_statuses.index("timeout")
+    assert 1 <= k <= 3 and r.test_statuses == ["wrong_answer"] * k + ["timeout"] + ["not_run"] * (9 - k)

@@ -225,3 +225,53 @@ def test_missing_bwrap_is_sandbox_unavailable_not_a_verdict(monkeypatch, tmp_pat
     assert (r.passed, r.status, r.sandboxed) == (True, "ok", False), r
     r = run_tests("while True:\n    pass", ADD_TESTS[:1], allow_unsandboxed=True, test_timeout_s=1)
     assert (r.status, r.sandboxed) == ("timeout", False), r
+
+
+FORK_HOLD = ("import os, time\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+             "        held = b'\\x01' * ({mb} << 20)  # written: resident\n        time.sleep(3)\n        os._exit(0)\n"
+             "    kids.append(pid)\nfor pid in kids:\n    os.waitpid(pid, 0)\n" + PY_ADD)
+
+
+def test_forked_processes_share_one_memory_limit():
+    # RLIMIT_AS bounds each process: six children of 120 MB each stay under 256 MB apiece, 720 MB in all
+    # (with nproc 64 x 1 GB such a program could hold 64 GB of the host). The sandbox's sum is bounded too.
+    r = run_tests(FORK_HOLD.format(mb=120), ADD_TESTS[:1], memory_mb=256, test_timeout_s=8)
+    assert (r.passed, r.status) == (False, "memory") and r.test_s[0] < 3, r
+    r = run_tests(FORK_HOLD.format(mb=8), ADD_TESTS[:1], memory_mb=256, test_timeout_s=8)
+    assert r.passed, r  # forking itself is fine: 6 x 8 MB fit
+    assert_still_serving()
+
+
+def test_code_that_is_not_unicode_text_is_a_compile_error_not_a_verifier_crash():
+    # A lone surrogate (a JSON "\ud800" escape in a tool call decodes to one) has no UTF-8 form: the file
+    # holds its 3 bytes and Python rejects the source, as it rejects any invalid UTF-8.
+    r = run_tests("s = '\ud800'\n" + PY_ADD, ADD_TESTS[:2])
+    assert (r.passed, r.status) == (False, "compile_error") and "UTF-8" in r.message, r
+    r = run_tests("// \ud800\n" + CPP_ADD, ADD_TESTS[:2], "cpp", **FAST)  # g++ reads a comment's bytes as such
+    assert r.passed, r
+
+
+def test_grading_one_program_has_a_total_time_budget():
+    # Each test is within its own limit, but 10 of them outlast the budget: graded (timeout at the test in
+    # flight) instead of running past a verifier pool's per-item deadline, which leaves no verdict at all.
+    slow = "import time\ntime.sleep(0.6)\n" + PY_ADD
+    r = run_tests(slow, ADD_TESTS * 2, max_tests=10, test_timeout_s=1.5, total_timeout_s=2.5)
+    assert (r.passed, r.status, r.first_failed) == (False, "timeout", r.n_passed) and 1 <= r.n_passed <= 3, r
+    assert r.total_s < 4, r
+    assert run_tests(slow, ADD_TESTS[:2], test_timeout_s=1.5, total_timeout_s=20).passed
+    assert CodeLimits().total_timeout_s is None  # the API alone: no budget unless asked
+    lim = CodeLimits.from_config(RewardConfig(verifier_item_timeout_s=60.0))
+    assert lim.total_timeout_s == 45.0 < lim.test_timeout_s * lim.max_tests  # 3/4 of the pool's deadline
+    with pytest.raises(ValueError):
+        CodeLimits(total_timeout_s=0)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 ABI of an x86_64 process")
+def test_refused_calls_stay_refused_through_the_32_bit_abi():
+    # int 0x80 names SysV IPC by other numbers (ipc(SHMGET, ...)): the filter refuses any other ABI.
+    cpp = ("#include <cstdio>\n#include <sys/shm.h>\nint main() { long r;\n"
+           "  asm volatile(\"int $0x80\" : \"=a\"(r) : \"a\"(117L), \"b\"(23L), \"c\"(0L), \"d\"(1L << 20),"
+           " \"S\"(01600L) : \"memory\");\n"
+           "  std::printf(\"%ld %d\\n\", r, shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0600)); }\n")
+    r = run_tests(cpp, [{"input": "", "output": "-1 -1\n"}], "cpp", **FAST)  # -EPERM both ways
+    assert r.passed, r

@@ -207,3 +207,15 @@ def test_expectations_and_wraps_match_python_on_genuine_values():
         assert ok == python(result), (result, op, expected, why)
         assert ok or why
     assert apply_wraps([2, 1, 2], (("set", ()), ("sorted", ()))) == [1, 2]
+
+
+def test_an_expected_int_beyond_float_precision_needs_the_exact_value():
+    """A large count computed through floats (exp(lgamma(...))) is not the count: as Python's == says,
+    once the expected int is past 2**53; below it the float tolerance stands."""
+    count = math.comb(100, 50)  # 100891344545564193334812497256
+    approx = math.exp(math.lgamma(101) - 2 * math.lgamma(51))
+    assert math.isclose(approx, count, rel_tol=FLOAT_REL_TOL)  # what the old rule accepted
+    assert not plain_equal(approx, count) and (approx == count) is False
+    assert plain_equal(float(2**60), 2**60) == (float(2**60) == 2**60) is True  # a float that is exactly it
+    assert plain_equal(float(count), count) == (float(count) == count)
+    assert plain_equal(2.9999999999999996, 3) and plain_equal(approx, float(count))  # small ints, float expected

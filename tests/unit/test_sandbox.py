@@ -19,8 +19,8 @@ LIM = RLimits(cpu_s=5, memory_mb=1024, nproc=32, fsize_mb=4, nofile=64, stack_mb
 pytestmark = pytest.mark.skipif(not available(JAIL)[0], reason=f"no sandbox: {available(JAIL)[1]}")
 
 
-def run_py(src: str, stdin: bytes = b"", wall_s: float = 8.0, **kw):
-    return JAIL.run([TC.python, "-I", "-c", src], stdin=stdin, rlimits=LIM, wall_s=wall_s,
+def run_py(src: str, stdin: bytes = b"", wall_s: float = 8.0, rlimits: RLimits = LIM, **kw):
+    return JAIL.run([TC.python, "-I", "-c", src], stdin=stdin, rlimits=rlimits, wall_s=wall_s,
                     max_output=1 << 16, **kw)
 
 
@@ -184,3 +184,42 @@ def test_missing_bwrap_is_a_clear_error(monkeypatch, tmp_path):
     assert not ok and "bwrap" in why
     out = Jail(ro_paths=JAIL.ro_paths).run(["/bin/true"], rlimits=LIM, wall_s=5, max_output=10)
     assert out.exit_code is None and "bwrap" in out.setup_error
+
+
+def test_memory_limit_bounds_the_sum_of_the_sandboxs_processes():
+    # One process holding most of the limit runs; four forked ones of 100 MB (each under RLIMIT_AS) are killed.
+    lim = RLimits(cpu_s=10, memory_mb=192, nproc=32, fsize_mb=4, nofile=64, stack_mb=64)
+    one = run_py("import time\nheld = b'x' * (140 << 20)\ntime.sleep(0.5)\nprint('held')", rlimits=lim)
+    assert (one.exit_code, one.stdout, one.memory_exceeded) == (0, b"held\n", False), one
+    forked = run_py("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        held = b'x' * (100 << 20)\n"
+                    "        time.sleep(5)\n        os._exit(0)\ntime.sleep(5)\nprint('held')", rlimits=lim)
+    assert forked.memory_exceeded and not forked.timed_out and forked.stdout == b"" and forked.wall_s < 4, forked
+    shared = run_py("import ctypes, mmap, os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
+                    "        m = mmap.mmap(-1, 100 << 20, flags=mmap.MAP_SHARED)  # shmem, not anonymous\n"
+                    "        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(m)), 1, len(m))\n"
+                    "        time.sleep(5)\n        os._exit(0)\ntime.sleep(5)\nprint('held')", rlimits=lim)
+    assert shared.memory_exceeded and shared.stdout == b"" and shared.wall_s < 4, shared
+    assert run_py("print('still serving')").stdout == b"still serving\n"
+
+
+def test_memory_outside_every_limit_is_refused():
+    # A detached SysV segment stays allocated, unmapped, in the sandbox's IPC namespace (whose limits are
+    # unbounded): six of 64 MB under a 128 MB limit would go unseen by RLIMIT_AS and by the resident sum.
+    # A memfd is a file in RAM outside /tmp's cap. Both are refused; threads, fork and exec are not.
+    lim = RLimits(cpu_s=10, memory_mb=128, nproc=32, fsize_mb=64, nofile=64, stack_mb=64)
+    src = ("import ctypes, os, subprocess, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+           "libc.shmat.restype = ctypes.c_void_p\nheld = 0\nfor _ in range(6):\n"
+           "    sid = libc.shmget(0, ctypes.c_size_t(64 << 20), 0o1600)\n    if sid < 0:\n"
+           "        print('shmget', os.strerror(ctypes.get_errno()))\n        break\n"
+           "    p = libc.shmat(sid, None, 0)\n    ctypes.memset(p, 1, 64 << 20)\n    libc.shmdt(ctypes.c_void_p(p))\n"
+           "    held += 64\nprint('held', held)\nprint('msgget', libc.msgget(0, 0o1600))\n"
+           "try:\n    os.memfd_create('x')\nexcept OSError as e:\n    print('memfd', e.strerror)\n"
+           "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+           "print(subprocess.run(['/bin/echo', 'exec'], capture_output=True).stdout.decode().strip())\n")
+    out = run_py(src, rlimits=lim)
+    assert out.exit_code == 0 and out.stdout.decode().split("\n") == [
+        "shmget Operation not permitted", "held 0", "msgget -1", "memfd Operation not permitted", "thread",
+        "exec", ""], out
+    from megatron_rl.reward.sandbox import seccomp_filter
+
+    assert seccomp_filter("sparc64") is None and len(seccomp_filter("x86_64")) % 8 == 0

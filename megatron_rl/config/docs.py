@@ -45,7 +45,7 @@ FALLBACK = {
     "reward.overlong_penalty": "penalty at and beyond l_max",
     "reward.language_reward": "added when problem, thoughts and answer share one language",
     "reward.language_check": "grade language consistency at all (false: `language_ok` is null, `reward/language_ok` not logged)",
-    "reward.math_timeout_s": "wall-clock limit of grading one math answer (scan of the last box, normalisation, comparison)",
+    "reward.math_timeout_s": "wall-clock limit of grading one math answer (scan for the final box(es), normalisation, comparison)",
     "reward.code_compile_timeout_s": "C++ compile limit",
     "reward.code_test_timeout_s": "limit per test run (wall and CPU); function-call tests: per call, and for loading the code",
     "reward.code_max_tests": "tests run per problem (all must pass); function-call tests: calls, after test code is expanded",

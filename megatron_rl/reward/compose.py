@@ -23,7 +23,7 @@ from megatron_rl.reward.types import CodeTask, GradeStatus, MathTask, RewardBrea
 def _grade_math(task: MathTask, fmt: FormatResult, cfg: RewardConfig) -> tuple[bool, dict[str, Any]]:
     from megatron_rl.reward.math import check_response
 
-    # the scan for the last box runs in the math worker too, inside the same time limit
+    # the scan for the final answer runs in the math worker too, inside the same time limit
     res = check_response(fmt.answer, task.answer, timeout=cfg.math_timeout_s, backend=cfg.math_backend)
     return res.equal, {"prediction": res.prediction, "math_status": res.status}
 

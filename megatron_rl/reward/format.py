@@ -7,7 +7,8 @@ Policy (decided here, tested in tests/unit/test_reward_format.py):
   ``<think>`` in the prompt, the caller prepends it to the completion before grading.)
 - The thoughts (between the tags) and the answer (everything after ``</think>``) are non-empty.
 - math: the answer contains ``\\boxed{...}`` (``\\boxed {...}`` too) with balanced braces and a
-  non-empty content; the grader later compares the LAST box.
+  non-empty content; the grader later compares the final answer (the last box, with any boxes joined
+  to it by connectives: math.extract.final_answer).
 - code: the answer contains a closed, non-empty fenced block whose tag is the task's language
   (python: ``python``, ``py``, ``python3``; cpp: ``cpp``, ``c++``, ``cc``, ``cxx``); the LAST such
   block is the program that is run. A block in another language does not count.

@@ -265,16 +265,23 @@ def extract_answer(response: str) -> str | None:
 
     A box whose whole content is another box is unwrapped (``\\boxed{\\boxed{5}}`` -> ``5``).
     """
+    found = _scan_boxes(response)
+    if found is None:
+        return None
+    scan, boxes = found
+    lo, hi = scan.unwrap(*boxes[-1])
+    return response[lo:hi]
+
+
+def _scan_boxes(response: str) -> tuple[BoxScan, list] | None:
+    """The scan of ``response`` and its outermost boxes; None if it has no box."""
     if not isinstance(response, str):
         raise TypeError(f"response must be str, got {type(response).__name__}")
     if "\\" not in response:
         return None
     scan = BoxScan(response)
     boxes = scan.outermost()
-    if not boxes:
-        return None
-    lo, hi = scan.unwrap(*boxes[-1])
-    return response[lo:hi]
+    return (scan, boxes) if boxes else None
 
 
 # What may sit between two boxes that together are the final answer: spacing, math delimiters,
@@ -307,14 +314,10 @@ def final_answers(response: str) -> list[str] | None:
     Several boxes offered together are one answer listing several values, so a hedge
     (``\\boxed{1} or \\boxed{2}``, every choice boxed in turn) is graded as that list, never as its last
     item; an answer split over boxes (``\\boxed{x=1}, \\boxed{y=2}``) is graded whole."""
-    if not isinstance(response, str):
-        raise TypeError(f"response must be str, got {type(response).__name__}")
-    if "\\" not in response:
+    found = _scan_boxes(response)
+    if found is None:
         return None
-    scan = BoxScan(response)
-    boxes = scan.outermost()
-    if not boxes:
-        return None
+    scan, boxes = found
     k = len(boxes) - 1
     while k > 0:
         gap_lo = _box_end(scan, boxes[k - 1])

@@ -137,6 +137,10 @@ def test_context_parallel_equals_cp1(request, tmp_path, family):
     for name in CASES:
         for r in got[name]:
             assert r["metrics"]["n_loss_tokens"] == sum(s.n_loss_tokens for s in seqs), name
+    # the DP=2 reference holds the episode's prompt once with the sequence it was made from (one group,
+    # dealt whole); CP never shares: the two layouts compute the same sequences from different rows
+    assert base["metrics"]["shared_prompt_fraction"] > 0
+    assert all(r["metrics"]["shared_prompt_fraction"] == 0 for r in got["cp2"])
     for r in got["cp2"]:
         assert window or r["reload"] == {"weights_back": True, "rng_restored": True, "optimizer_loaded": True}
     if window:  # the reference itself: each sequence alone through HF, windowed (sequences up to 12 tokens)

@@ -1,7 +1,8 @@
 """Per-sequence views of a CP (and TP) rank's outputs, for the context-parallel tests' workers: put a
 micro-batch's per-token tensor back in row order over the CP ranks (with `packing.cp_token_index`,
 independently of the attention's own bookkeeping), gather vocab-parallel logits over TP, and cut the
-rows into sequences merged over every rank."""
+rows into sequences merged over every rank (a sequence of a row that shares its prompt: the prefix's
+rows, then its own)."""
 from __future__ import annotations
 
 import torch
@@ -44,10 +45,22 @@ def per_sequence(prepared, rows: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 
     mine = {}
     for mb, row in zip(prepared.packed.micro_batches, rows):
-        cu = mb.cu_seqlens.tolist()
         for j, local in enumerate(mb.seq_indices):
             i = prepared.share[local]
-            mine[i] = row[cu[j]:cu[j] + len(prepared.seqs[i].token_ids)].float().cpu()
+            mine[i] = row[sequence_rows(mb, j, len(prepared.seqs[i].token_ids))].float().cpu()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {k: v for d in every for k, v in d.items()}
+
+
+def sequence_rows(mb, j: int, length: int) -> torch.Tensor:
+    """The rows of a packed micro-batch (in row order, over every CP rank) that hold sequence `j` of the
+    bin, `length` tokens in token order: segment j of an unshared row; of a row sharing prompts
+    (trainer.share_prompts; never under CP), the sequence's branch after its prefix segment."""
+    cu = mb.cu_seqlens.tolist()
+    if mb.segment_parents is None:
+        return torch.arange(cu[j], cu[j] + length)
+    own = torch.nonzero(mb.segment_ids.flatten() == j).flatten()
+    segment = next(s for s in range(len(cu) - 1) if cu[s] <= int(own[0]) < cu[s + 1])
+    parent = mb.segment_parents[segment]
+    return own if parent < 0 else torch.cat([torch.arange(cu[parent], cu[parent + 1]), own])

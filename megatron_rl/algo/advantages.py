@@ -35,6 +35,9 @@ def group_advantages(rewards: Tensor, std: bool = False, eps: float = 1e-6) -> T
     if rewards.dim() != 2 or rewards.shape[1] < 1:
         raise ValueError(f"rewards must be [n_groups, G], got shape {tuple(rewards.shape)}")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    # measured from the group minimum (the result is shift-invariant): a constant group is exactly 0, not
+    # the rounding error of its mean (which the std ablation would blow up to O(1e-2) in float32)
+    r = r - r.min(dim=1, keepdim=True).values
     adv = r - r.mean(dim=1, keepdim=True)
     if std:
         if r.shape[1] < 2:
@@ -114,8 +117,8 @@ def _standardise(values: Tensor, weights: Tensor, eps: float) -> Tensor:
     mean = (values * weights).sum() / total
     var = (((values - mean) ** 2) * weights).sum() / total
     std = var.sqrt()
-    # std ~ 0 (one sequence, or all equal): the centred values are already 0; do not divide.
-    return (values - mean) / torch.where(std > eps, std, torch.ones_like(std))
+    # std ~ 0 (one sequence, or all equal): exactly 0, not the rounding residue of the mean; do not divide.
+    return torch.where(std > eps, (values - mean) / torch.where(std > eps, std, torch.ones_like(std)), 0.0)
 
 
 def normalize(adv: Tensor, mask: Tensor | None = None, *, mode: NormMode = "minibatch",
@@ -127,6 +130,7 @@ def normalize(adv: Tensor, mask: Tensor | None = None, *, mode: NormMode = "mini
     adv: `[B]` per sequence (mask `[B, T]` gives the token counts) or `[B, T]` per token.
     mode: `minibatch` (Magistral), `group` (standardise within each group given by `group_ids` `[B]`,
     GRPO-style), `none` (returned unchanged). Output has adv's shape; masked `[B, T]` entries are 0.
+    eps: a (population) std <= eps counts as 0: the output is then exactly 0 (no signal, never nan/inf).
     """
     if mode == "none":
         return adv

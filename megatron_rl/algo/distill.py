@@ -27,15 +27,23 @@ def teacher_term(teacher_logprobs: Tensor, student_logprobs: Tensor, mask: Tenso
     if not (teacher_logprobs.shape == student_logprobs.shape == mask.shape):
         raise ValueError(f"teacher_logprobs, student_logprobs and mask must have one shape; got "
                          f"{tuple(teacher_logprobs.shape)}, {tuple(student_logprobs.shape)}, {tuple(mask.shape)}")
-    diff = (teacher_logprobs.detach() - student_logprobs.detach()).float()
+    f = torch.promote_types(torch.promote_types(teacher_logprobs.dtype, student_logprobs.dtype), torch.float32)
+    diff = teacher_logprobs.detach().to(f) - student_logprobs.detach().to(f)  # bf16 -> fp32; fp64 stays
     return torch.where(mask.bool(), coef * diff, 0.0)
 
 
 def distill_advantages(advantages: Tensor, teacher_logprobs: Tensor, student_logprobs: Tensor, mask: Tensor,
                        coef: float, only: bool = False) -> Tensor:
-    """Per-token advantages `[..., T]`: the reward's (`advantages`, dropped when `only`) plus the teacher term."""
+    """Per-token advantages `[..., T]`: the reward's (`advantages`, dropped when `only`) plus the teacher term.
+    `advantages` is per token (the mask's shape) or per sequence (`[...]`, one value for each row's tokens)."""
     term = teacher_term(teacher_logprobs, student_logprobs, mask, coef)
-    reward = torch.zeros_like(term) if only else torch.where(mask.bool(), advantages.float(), 0.0)
+    if advantages.dim() == mask.dim() - 1:  # per sequence: broadcast along T, not along the last dim
+        advantages = advantages[..., None]
+    if advantages.shape != mask.shape and advantages.shape != mask.shape[:-1] + (1,):
+        raise ValueError(f"advantages must be [..., T] = {tuple(mask.shape)} or {tuple(mask.shape[:-1])}, "
+                         f"got {tuple(advantages.shape)}")
+    f = torch.promote_types(advantages.dtype, term.dtype)
+    reward = torch.zeros_like(term) if only else torch.where(mask.bool(), advantages.detach().to(f), 0.0)
     return reward + term
 
 

@@ -38,10 +38,12 @@ Options beyond the recipe (off by default):
   (`algo.entropy_coef`, 0 = off; docs/experiments.md).
 
 Everything is computed in at least float32 (bf16 inputs are upcast, float64 is kept); masked positions never contribute, even
-if they hold inf/nan (padding).
+if they hold inf/nan (padding). A ratio that overflows the dtype where the objective is finite (A >= 0, or a
+bounded correction) gives the formula's limit, not nan (`_loss_log_ratio`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,7 +153,8 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
 
     # where() instead of a product with the mask: padding may hold -inf/nan and must not leak (0*inf).
     log_ratio = torch.where(m, lp - anchor, 0.0)
-    ratio = torch.exp(log_ratio)
+    loss_log_ratio = _loss_log_ratio(log_ratio, adv, corr if proximal_logprobs is None else None)
+    ratio = torch.exp(loss_log_ratio)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
 
@@ -164,7 +167,7 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
         per_token = per_token + entropy_bonus_terms(entropy.to(f32), entropy_coef)
     per_token = torch.where(m, per_token, 0.0)
 
-    r = ratio.detach()
+    r = log_ratio.detach().exp()  # the true ratio (inf if it overflows) for the statistics
     return TokenLossTerms(
         loss=per_token,
         ratio=torch.where(m, r, 0.0),
@@ -174,6 +177,23 @@ def token_loss_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: T
         mask=m,
         is_masked=m & (weight == 0) if corr.kind == "token_mask" else None,
     )
+
+
+def _loss_log_ratio(log_ratio: Tensor, adv: Tensor, corr: ISCorrection | None) -> Tensor:
+    """The log-ratio the surrogate exponentiates: the true one up to half the dtype's exp range (44 nats in
+    float32), so that r never overflows where the objective is finite (r = inf gives inf * 0 = nan in the
+    value or, through exp's backward, in the gradient: e.g. a behaviour logprob of -100 in float32).
+    - A >= 0 only sees min(r, 1 + eps_high): beyond the limit the token is clipped anyway (same value, zero
+      gradient), so the exponent is simply capped.
+    - A < 0 under a correction of the current ratio that bounds its weight (`corr`: token_tis with a cap,
+      token_mask): the weight c / r cancels r, so a straight-through cap (value capped, gradient 1) keeps
+      value and gradient (-A min(r, cap) d logp, resp. 0) finite and as the formula gives them.
+    - A < 0 otherwise is the unbounded branch of the clip: r overflows as the formula does.
+    """
+    pos = log_ratio.clamp_max(math.log(torch.finfo(log_ratio.dtype).max) / 2)
+    if corr is None or not (corr.kind == "token_mask" or corr.cap is not None):
+        return torch.where(adv >= 0, pos, log_ratio)
+    return torch.where(adv >= 0, pos, log_ratio - (log_ratio - pos).detach())
 
 
 def entropy_bonus_terms(entropy: Tensor, entropy_coef: float) -> Tensor:

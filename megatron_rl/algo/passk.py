@@ -45,6 +45,9 @@ def pass_at_k_advantages(rewards: Tensor, k: int) -> Tensor:
     if n == 1:  # k = 1 and no other sample to build a baseline from: REINFORCE with A = f
         return rewards.to(out_dtype).clone()
     f = rewards.to(torch.float64)  # the combinatorial weights want fp64
+    # A_i is shift-invariant (max commutes with a shift, both weight sets sum to 1): measured from the group
+    # minimum, a constant group gives exactly 0 instead of the rounding of sum(weights) - 1 times the reward
+    f = f - f.min(dim=1, keepdim=True).values
     m = n - 1
     w_term = None if k == 1 else _max_of_subset_weights(m, k - 1, f.dtype, f.device)
     w_base = _max_of_subset_weights(m, k if m >= k else k - 1, f.dtype, f.device)

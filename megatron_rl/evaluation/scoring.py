@@ -38,7 +38,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
     if n - c < k:
         return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    # C(n-c, k) / C(n, k) = prod_{i=n-c+1..n} (1 - k/i) = prod_{j<k} (1 - c/(n-j)): the shorter product in
+    # log space, then -expm1. Exact binomials cost O(n) digit arithmetic (minutes at n = 10^7) and
+    # 1 - x loses the relative precision of a small pass@k (n = 10^9, c = 1: 2.8e-8 off).
+    if c <= k:
+        log_miss = sum(math.log1p(-k / i) for i in range(n - c + 1, n + 1))
+    else:
+        log_miss = sum(math.log1p(-c / (n - j)) for j in range(k))
+    return -math.expm1(log_miss)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ def overlong_penalty(num_tokens: int, l_max: int, l_cache: int, penalty: float =
         return 0.0
     if num_tokens > l_max:  # also covers l_cache == 0: a hard step at l_max
         return -penalty
-    return -penalty * (num_tokens - (l_max - l_cache)) / l_cache
+    # the fraction first: at num_tokens == l_max it is exactly 1, so the penalty meets -p exactly
+    return -penalty * ((num_tokens - (l_max - l_cache)) / l_cache)
 
 
 def estimate_tokens(text: str) -> int:

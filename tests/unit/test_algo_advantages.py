@@ -139,3 +139,78 @@ def test_algo_imports_only_torch_and_the_standard_library():
                 continue
             for root in roots:
                 assert root == "torch" or root in sys.stdlib_module_names, f"{path.name} imports {root}"
+
+
+def test_magistral_recipe_end_to_end_against_exact_rationals():
+    """Rewards -> drop non-diverse groups -> r - group mean -> token-weighted minibatch standardisation ->
+    on-policy gradient of the token-normalised loss, against a Fraction transcription of the formulas:
+    d loss / d logp_it = -A_norm_i / (total tokens of the minibatch) at ratio 1."""
+    import math
+    from fractions import Fraction
+
+    from megatron_rl.algo.advantages import compute_group_advantages
+    from megatron_rl.algo.loss import clipped_token_loss
+    from megatron_rl.config import AlgoConfig
+
+    rewards = [["0", "1", "1", "0.1"], ["1", "1", "1", "1"], ["0.1", "0", "0.2", "1"], ["0", "0", "0", "0"]]
+    lengths = [[3, 1, 4, 2], [5, 5, 5, 5], [1, 6, 2, 3], [2, 2, 2, 2]]
+    exact = [[Fraction(x) for x in row] for row in rewards]
+    kept = [i for i, row in enumerate(exact) if max(row) != min(row)]
+    adv = [x - sum(exact[i]) / len(exact[i]) for i in kept for x in exact[i]]
+    lens = [n for i in kept for n in lengths[i]]
+    total = sum(lens)
+    mu = sum(a * n for a, n in zip(adv, lens)) / total
+    var = sum((a - mu) ** 2 * n for a, n in zip(adv, lens)) / total
+    want = [float(a - mu) / math.sqrt(var) for a in adv]
+
+    r = torch.tensor([[float(x) for x in row] for row in exact], dtype=torch.float64)
+    out = compute_group_advantages(r, AlgoConfig())
+    assert out.keep.tolist() == [i in kept for i in range(len(rewards))]
+    flat = out.advantages.reshape(-1)
+    mask = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+    a_norm = normalize(flat, mask)
+    torch.testing.assert_close(a_norm, torch.tensor(want, dtype=torch.float64), rtol=1e-13, atol=1e-13)
+
+    lp = -torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    lp.requires_grad_(True)
+    clipped_token_loss(lp, lp.detach(), a_norm, mask).backward()
+    grad_want = torch.tensor([[-w / total if t < n else 0.0 for t in range(mask.shape[1])]
+                              for w, n in zip(want, lens)], dtype=torch.float64)
+    torch.testing.assert_close(lp.grad, grad_want, rtol=1e-13, atol=1e-15)
+
+
+def test_std_at_or_below_eps_gives_exactly_zero_and_above_it_divides():
+    """The documented rule (docs/algo.md): population std <= eps -> exactly 0 (equal advantages in any
+    number, dtype and weighting: no rounding residue of the mean), above it (A - mean) / std."""
+    for scale, divided in ((1e-7, False), (1e-3, True)):
+        vals = [scale, -scale, 3 * scale, scale]
+        mu, sd = statistics.fmean(vals), statistics.pstdev(vals)
+        want = [(v - mu) / sd if divided else 0.0 for v in vals]
+        got = normalize(torch.tensor(vals, dtype=torch.float64))
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0.0)
+    g = torch.Generator().manual_seed(0)
+    for b in (1, 3, 7, 64):
+        mask = torch.arange(7)[None, :] < torch.randint(1, 8, (b,), generator=g)[:, None]
+        for v in (0.1, 0.3, 1 / 3, -0.4):
+            for dtype in (torch.float32, torch.float64):
+                for weighting in ("token", "sequence"):
+                    adv = torch.full((b,), v, dtype=dtype)
+                    assert (normalize(adv, mask, weighting=weighting) == 0).all()
+                    assert (normalize(adv[:, None].expand(b, 7), mask, weighting=weighting) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_groups_give_exactly_zero_in_both_modes_whatever_the_value_and_size(dtype):
+    """All-equal rewards: r - mean = 0 exactly (the formula), also (r - mean) / (std + eps); a rounded
+    mean would leave ~1e-8 in float32, which the std ablation divides into ~1e-2."""
+    for g in range(2, 33):
+        for v in (0.1, 0.3, 0.7, 1 / 3, -0.4, 1.1):
+            r = torch.full((2, g), v, dtype=dtype)
+            r[1, 0] = v + 0.5  # a diverse group next to it is unaffected
+            for std in (False, True):
+                out = group_advantages(r, std=std)
+                assert (out[0] == 0).all(), (g, v, std)
+                row = r[1].tolist()
+                mu = statistics.fmean(row)
+                want = [(x - mu) / ((statistics.stdev(row) + 1e-6) if std else 1.0) for x in row]
+                torch.testing.assert_close(out[1], torch.tensor(want, dtype=out.dtype))

@@ -45,3 +45,20 @@ def test_metrics_are_the_mean_reverse_kl_estimate_and_mean_abs_term_per_sampled_
 def test_shapes_must_agree():
     with pytest.raises(ValueError, match="one shape"):
         distill.teacher_term(TEACHER, STUDENT[:, :3], MASK, 1.0)
+
+
+def test_per_sequence_advantages_go_to_every_token_of_their_sequence_in_float64():
+    """[B] advantages with B == T (where a plain broadcast would run along the tokens instead), float64
+    kept (differences a float32 round trip would lose): A_it = A_i + coef (teacher_it - student_it)."""
+    g = torch.Generator().manual_seed(0)
+    teacher = -torch.rand(3, 3, generator=g, dtype=torch.float64) * 4
+    student = teacher + 1e-9 * torch.randn(3, 3, generator=g, dtype=torch.float64)
+    adv = torch.tensor([0.25, -1.0, 2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1]])
+    got = distill.distill_advantages(adv, teacher, student, mask, coef=0.5)
+    want = [[(float(adv[i]) + 0.5 * (float(teacher[i, t]) - float(student[i, t]))) if mask[i, t] else 0.0
+             for t in range(3)] for i in range(3)]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-15, atol=1e-18)
+    with pytest.raises(ValueError, match="advantages"):
+        distill.distill_advantages(adv[:2], teacher, student, mask, coef=0.5)

@@ -176,3 +176,33 @@ def test_pass_at_k_rejects_bad_k():
         pass_at_k_advantages(torch.zeros(2, 3), 4)
     with pytest.raises(ValueError, match="n_groups"):
         pass_at_k_advantages(torch.zeros(3), 1)
+
+
+def _binary_closed_form(n, c, k, correct):
+    """A_i for 0/1 rewards from the unbiased pass@j estimator 1 - C(m - c', j) / C(m, j) over the
+    m = n - 1 others (c' of them correct), exact rationals: k (P(max(f_i, k-1 others) = 1) - baseline)."""
+    from fractions import Fraction
+
+    m, c_other = n - 1, c - (1 if correct else 0)
+
+    def pass_at(j):
+        return 1 - Fraction(math.comb(m - c_other, j), math.comb(m, j)) if j else Fraction(0)
+
+    term = Fraction(1) if correct else pass_at(k - 1)
+    return k * (term - pass_at(k if m >= k else k - 1))
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (4, 1), (4, 4), (6, 3), (200, 1), (200, 50), (200, 200), (512, 8)])
+def test_binary_pass_at_k_matches_the_unbiased_estimator_closed_form_for_every_c(n, k):
+    cs = range(n + 1) if n <= 8 else (0, 1, 2, n // 2, n - 2, n - 1, n)
+    for c in cs:
+        rewards = torch.tensor([[1.0] * c + [0.0] * (n - c)], dtype=torch.float64)
+        got = pass_at_k_advantages(rewards, k)[0]
+        if n == 1:  # no other sample: REINFORCE with A = f
+            assert got.tolist() == [float(c)]
+            continue
+        want = [float(_binary_closed_form(n, c, k, i < c)) for i in range(n)]
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+        if c in (0, n):
+            assert (got == 0).all()  # nothing to learn from an all-equal group

@@ -204,3 +204,70 @@ def test_bad_inputs_raise_clear_errors():
         clipped_token_loss(lp, b, adv, mask, tis_cap=0.5)
     with pytest.raises(ValueError, match="level"):
         aggregate(lp, mask, level="batch")
+
+
+def _limit_reference(a, log_r, eps_low, eps_high, cap=None, band=None):
+    """(value, d value / d logp) of one token from the formula, analytically, valid for any log-ratio
+    (also where r = e^log_r overflows a float): l = -min(r A, clip(r) A) * w, w = min(1, cap / r)
+    (token_tis) or [low <= r <= high] (token_mask), w a constant of the gradient."""
+    lo, hi = math.log(1 - eps_low), math.log(1 + eps_high)
+    if a == 0:
+        return 0.0, 0.0
+    clipped = (a > 0 and log_r > hi) or (a < 0 and log_r < lo)
+    if band is not None and not math.log(band[0]) <= log_r <= math.log(band[1]):
+        return 0.0, 0.0
+    if clipped:
+        eff = 1 + eps_high if a > 0 else 1 - eps_low  # clip(r) * w -> 0 when w = cap / r -> 0
+        w = 1.0 if cap is None or log_r <= math.log(cap) else cap / math.exp(min(log_r, 700.0))
+        return -a * eff * w, 0.0
+    if cap is not None and log_r > math.log(cap):  # r * (cap / r) = cap, in value and gradient weight
+        return -a * cap, -a * cap
+    r = math.exp(log_r)
+    return -a * r, -a * r
+
+
+@pytest.mark.parametrize("dtype,big", [(torch.float32, 100.0), (torch.float64, 800.0)])
+@pytest.mark.parametrize("corr", [None, ("cap", 2.0), ("band", (0.5, 2.0))])
+def test_overflowing_ratio_gives_the_formulas_finite_value_and_gradient(dtype, big, corr):
+    """A behaviour logprob far below the trainer's (r = e^big overflows the dtype): where the objective is
+    finite (A >= 0: clipped; A < 0 with a weight that cancels r) value and gradient must be too, not nan."""
+    from megatron_rl.algo.correction import ISCorrection
+
+    cases = [(1.0, big), (0.0, big), (-1.0, big), (0.7, 0.1), (-0.4, -0.1), (2.0, -big)]
+    kw, cap, band = {}, None, None
+    if corr is not None and corr[0] == "cap":
+        kw, cap = {"tis_cap": corr[1]}, corr[1]
+    elif corr is not None:
+        kw, band = {"correction": ISCorrection("token_mask", low=corr[1][0], high=corr[1][1])}, corr[1]
+    lp = torch.zeros(1, len(cases), dtype=dtype, requires_grad=True)
+    behaviour = torch.tensor([[-lr for _, lr in cases]], dtype=dtype)
+    adv = torch.tensor([[a for a, _ in cases]], dtype=dtype)
+    mask = torch.ones(1, len(cases), dtype=torch.bool)
+    loss = clipped_token_loss(lp, behaviour, adv, mask, EPS_LOW, EPS_HIGH, normalizer=1.0, **kw)
+    loss.backward()
+    unbounded = corr is None  # A < 0 with nothing bounding r: the formula itself is +inf there
+    finite = [i for i, (a, lr) in enumerate(cases) if not (unbounded and a < 0 and lr == big)]
+    want = {i: _limit_reference(*cases[i], EPS_LOW, EPS_HIGH, cap, band) for i in finite}
+    tol = dict(rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6 if dtype == torch.float32 else 1e-12)
+    torch.testing.assert_close(lp.grad[0, finite], torch.tensor([want[i][1] for i in finite], dtype=dtype), **tol)
+    if unbounded:
+        assert loss.item() == math.inf and lp.grad[0, 2].item() == math.inf  # inf, never nan
+    else:
+        assert loss.item() == pytest.approx(sum(v for v, _ in want.values()), rel=1e-5)
+
+
+@pytest.mark.parametrize("a", [1.0, -1.0])
+def test_ratio_exactly_on_a_clip_boundary_is_unclipped(a):
+    """r = 1 + eps_high (A > 0) or 1 - eps_low (A < 0) exactly (2 and 1/2 are exact in binary): the
+    token is not clipped (clip_frac uses strict inequalities) and gets the full gradient -A r / N."""
+    eps_low, eps_high = 0.5, 1.0
+    r = 2.0 if a > 0 else 0.5
+    lp = torch.tensor([[math.log(r), 0.0]], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(1, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, st = clipped_token_loss_with_stats(lp, b, torch.tensor([a], dtype=torch.float64), mask, eps_low, eps_high)
+    loss.backward()
+    assert torch.exp(lp.detach()[0, 0]).item() == r  # the boundary itself, not a rounding of it
+    assert lp.grad[0].tolist() == [-a * r / 2, -a * 1.0 / 2]
+    assert loss.item() == -a * (r + 1.0) / 2
+    assert st.clip_frac_low.item() == 0.0 and st.clip_frac_high.item() == 0.0

@@ -20,6 +20,22 @@ def test_pass_at_k_matches_enumeration_of_subsets(n, c, k):
         pass_at_k(n, c, n + 1)
 
 
+@pytest.mark.parametrize("n,c,k", [(10**9, 1, 1), (10**6, 10, 5 * 10**5), (10**7, 3, 10**6), (200, 150, 10),
+                                   (1000, 999, 1), (64, 5, 64), (300, 7, 299)])
+def test_pass_at_k_keeps_its_relative_precision_at_large_n(n, c, k):
+    """Against exact rationals (the shorter product of 1 - C(n-c,k)/C(n,k)): small values keep their
+    relative precision, and large n costs no exact binomials."""
+    from fractions import Fraction
+
+    miss = Fraction(1)
+    for j in range(k if k < c else 0):
+        miss *= Fraction(n - c - j, n - j)
+    for i in range(n - c + 1, n + 1) if k >= c else ():
+        miss *= Fraction(i - k, i)
+    exact = 1 - miss
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12)
+
+
 def _humaneval(idx=2):
     from megatron_rl.data.humaneval import humaneval_problems
 

@@ -53,3 +53,18 @@ def test_estimate_tokens():
     assert estimate_tokens("a" * 401) == 101
     assert estimate_tokens("我们计算方程") == 6  # one per CJK character
     assert estimate_tokens("abcd我们") == 3
+
+
+@pytest.mark.parametrize("p", ["0.1", "0.3", "0.7"])
+def test_exactly_minus_p_at_l_max_and_within_an_ulp_on_the_ramp(p):
+    """At len == l_max the ramp ends at -p exactly (the same value as every longer length), whatever
+    l_cache; inside the ramp the float is the correctly rounded rational up to ~2 ulp."""
+    pf = float(p)
+    for l_cache in range(1, 400):
+        l_max = 1000
+        assert overlong_penalty(l_max, l_max, l_cache, pf) == -pf == overlong_penalty(l_max + 1, l_max, l_cache, pf)
+        assert overlong_penalty(l_max - l_cache, l_max, l_cache, pf) == 0.0
+        for n in (l_max - l_cache + 1, l_max - l_cache // 2, l_max - 1):
+            want = reference(n, l_max, l_cache, Fraction(pf))
+            if want:
+                assert abs(Fraction(overlong_penalty(n, l_max, l_cache, pf)) - want) <= abs(want) * Fraction(1, 2**51)

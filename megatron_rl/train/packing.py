@@ -298,61 +298,58 @@ class _Unit:
         return self.prefix + sum(lengths[i] - self.prefix for i in self.members)
 
 
-def _prompt_groups(seqs: Sequence[TrainSequence]) -> list[_Unit | list[int]]:
-    """In input order: lists of the sequences equal before their last prompt token (their shareable
-    prefix), and `_Unit`s of those that share nothing (no prefix, or routed experts)."""
+def _prompt_groups(seqs: Sequence[TrainSequence]) -> list[_Unit]:
+    """In input order: the sequences equal before their last prompt token as one unit with that prefix
+    (held once), every other sequence alone (no shared prefix, or routed experts). Not cut to a bin."""
     by_prefix: dict[bytes, list[int]] = {}
-    units: list[_Unit | list[int]] = []
+    groups: list[list[int]] = []
     for i, s in enumerate(seqs):
         if s.prompt_len < 2 or s.routed_experts is not None:
-            units.append(_Unit((i,)))
+            groups.append([i])
             continue
         key = np.asarray(s.token_ids[:s.prompt_len - 1], dtype=np.int64).tobytes()
         if key not in by_prefix:
             by_prefix[key] = []
-            units.append(by_prefix[key])  # placed where its first member is
+            groups.append(by_prefix[key])  # placed where its first member is
         by_prefix[key].append(i)
-    return units
+    return [_Unit(tuple(g), seqs[g[0]].prompt_len - 1 if len(g) > 1 else 0) for g in groups]
 
 
 def _computed_tokens(seqs: Sequence[TrainSequence], indices: Sequence[int]) -> int:
     """Tokens the model computes for these sequences when each shared prefix is held once."""
     sub = [seqs[i] for i in indices]
-    total = 0
-    for u in _prompt_groups(sub):
-        members = u.members if isinstance(u, _Unit) else u
-        prefix = sub[u[0]].prompt_len - 1 if isinstance(u, list) and len(u) > 1 else 0
-        total += prefix + sum(len(sub[i].token_ids) - prefix for i in members)
-    return total
+    lengths = [len(s.token_ids) for s in sub]
+    return sum(u.length(lengths) for u in _prompt_groups(sub))
 
 
 def deal_to_ranks(seqs: Sequence[TrainSequence], parts: int, share_prompts: bool) -> list[list[int]]:
     """Deal a minibatch's sequences to `parts` data-parallel ranks. With shared prompts, whole prompt
     groups are dealt (a group split over ranks computes its prompt once per rank) when that leaves the
     busiest rank no more computed tokens than dealing single sequences; every share is non-empty."""
-    by_sequence = split_balanced([len(s.token_ids) for s in seqs], parts)
-    groups = [list(u.members) if isinstance(u, _Unit) else u for u in _prompt_groups(seqs)] if share_prompts else []
-    if len(groups) < parts or len(groups) == len(seqs):
+    lengths = [len(s.token_ids) for s in seqs]
+    by_sequence = split_balanced(lengths, parts)
+    groups = _prompt_groups(seqs) if share_prompts else []
+    if len(groups) < parts or all(u.prefix == 0 for u in groups):
         return by_sequence
-    by_group = [sorted(i for g in share for i in groups[g])
-                for share in split_balanced([_computed_tokens(seqs, g) for g in groups], parts)]
-    def busiest(shares):
-        return max(_computed_tokens(seqs, s) for s in shares)
-    return by_group if busiest(by_group) <= busiest(by_sequence) else by_sequence
+    cost = [u.length(lengths) for u in groups]
+    dealt = split_balanced(cost, parts)
+    busiest = max(sum(cost[g] for g in share) for share in dealt)
+    if busiest > max(_computed_tokens(seqs, share) for share in by_sequence):
+        return by_sequence
+    return [sorted(i for g in share for i in groups[g].members) for share in dealt]
 
 
 def _shared_prompt_units(seqs: Sequence[TrainSequence], lengths: Sequence[int], capacity: int) -> list[_Unit]:
-    """Sequences grouped by their tokens before the last prompt token (those equal in several sequences
-    are held once), each group cut so that it fits `capacity`; the others alone. In input order."""
+    """`_prompt_groups`, each group cut so that it fits `capacity` (each part with its own prefix copy)."""
     out: list[_Unit] = []
     for u in _prompt_groups(seqs):
-        if isinstance(u, _Unit):
+        if not u.prefix:
             out.append(u)
             continue
-        q = seqs[u[0]].prompt_len - 1
+        q = u.prefix
         chunk: list[int] = []
         size = q  # the chunk's tokens with its own copy of the prefix
-        for i in u:  # greedy in order: a chunk stays under the capacity
+        for i in u.members:  # greedy in order: a chunk stays under the capacity
             if chunk and size + lengths[i] - q > capacity:
                 out.append(_Unit(tuple(chunk), q if len(chunk) > 1 else 0))
                 chunk, size = [], q

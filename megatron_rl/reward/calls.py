@@ -41,7 +41,7 @@ from megatron_rl.reward.call_tests import parse_call_tests
 from megatron_rl.reward.call_types import CallSuite, CallTest, TestFormError
 from megatron_rl.reward.code import (
     SANDBOX_UNAVAILABLE, CodeLimits, CodeResult, Toolchain, classify, limits_with, rlimits, sandbox_for,
-    write_file,
+    wall_left, write_file,
 )
 from megatron_rl.reward.compare import check_result, describe
 from megatron_rl.reward.expand import ExpansionUnavailable, copy_runner, expand_suite
@@ -114,7 +114,7 @@ def _grade(code: str, calls: list[CallTest], jail: Jail, tc: Toolchain, lim: Cod
         cpu_s = math.ceil(lim.test_timeout_s) * (len(calls) + 1)
         out = jail.run([tc.python, "-I", f"{BOX}/_call_runner.py", "calls"],
                        rlimits=rlimits(lim, cpu_s, lim.memory_mb, lim.fsize_mb),
-                       wall_s=max(0.0, min(lim.test_timeout_s, end - time.perf_counter())),
+                       wall_s=wall_left(lim.test_timeout_s, end),
                        max_output=lim.max_output_bytes, workspace=ws, on_stdout=reader)
     if out.setup_error is not None:
         return CodeResult(False, 0, len(calls), SANDBOX_UNAVAILABLE, "python", message=out.setup_error)

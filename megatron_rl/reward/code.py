@@ -85,6 +85,12 @@ class CodeLimits:
         return math.inf if self.total_timeout_s is None else t0 + self.total_timeout_s
 
 
+def wall_left(limit_s: float, end: float) -> float:
+    """Wall clock for the next run: its own limit, or what is left before the grading deadline ``end``
+    (0 once it has passed)."""
+    return max(0.0, min(limit_s, end - time.perf_counter()))
+
+
 @dataclass
 class CodeResult:
     passed: bool
@@ -250,7 +256,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
             write_file(ws, "main.cpp", code)
             comp = jail.run([tc.gxx, f"-std={CPP_TAGS[tag]}", "-O2", "-pipe", "-o", f"{BOX}/prog",
                              f"{BOX}/main.cpp"], rlimits=rlimits(lim, lim.compile_timeout_s,
-                            lim.compile_memory_mb, 256), wall_s=min(lim.compile_timeout_s, end - time.perf_counter()),
+                            lim.compile_memory_mb, 256), wall_s=wall_left(lim.compile_timeout_s, end),
                             max_output=64 << 10, workspace=ws, writable=True, cwd=BOX)
             compile_s = comp.wall_s
             bad = classify(comp)
@@ -264,7 +270,7 @@ def run_tests(code: str, tests: list[dict], language: str = "python",
         rl = rlimits(lim, lim.test_timeout_s, lim.memory_mb, lim.fsize_mb)
         times: list[float] = []
         for i, (inp, expected) in enumerate(checked):
-            wall_s = min(lim.test_timeout_s, end - time.perf_counter())
+            wall_s = wall_left(lim.test_timeout_s, end)
             if wall_s <= 0:
                 return done("timeout", n_passed=i, first_failed=i, compile_s=compile_s, test_s=times,
                             message=f"grading time spent (total_timeout_s={lim.total_timeout_s})")
